@@ -1,0 +1,109 @@
+"""``asp-tui run --headless``: run in the foreground with a progress bar and one line per step."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+from runtime.config import Config
+from runtime.launcher import (
+    prepare_model,
+    prepare_run,
+    request_stop,
+    start_controller,
+    wait_for_endpoints,
+)
+from runtime.rundir import JsonlTail, RunDir
+
+_EVENTS_SHOWN = {"command", "instance", "discard", "run", "lag_bound"}
+
+
+def format_step(record: dict[str, Any], total_steps: int) -> str:
+    """One line per trainer step, as the README documents it."""
+    return (
+        f"step {record['step']:>4}/{total_steps}  "
+        f"reward {record.get('reward_mean', 0.0):6.3f}  "
+        f"loss {record.get('loss', 0.0):+8.4f}  "
+        f"lag {record.get('lag_mean', 0.0):4.2f}/{record.get('lag_max', 0)} "
+        f"(bound {record.get('lag_bound', 0)})  "
+        f"queue {record.get('queue_depth', 0):>3}  "
+        f"iter {record.get('iteration_s', 0.0):6.2f}s  "
+        f"{record.get('samples_per_s', 0.0):6.1f} samples/s"
+    )
+
+
+def format_event(record: dict[str, Any]) -> str:
+    detail = record.get("message") or ", ".join(
+        f"{k}={v}" for k, v in record.items() if k not in ("event", "time")
+    )
+    return f"[{record['event']}] {detail}"
+
+
+def run_headless(config: Config) -> int:
+    console = Console()
+    run_dir = prepare_run(config)
+    console.print(f"run [bold]{config.run.name}[/] in {run_dir.root}")
+    prepare_model_with_status(config, console)
+    process = start_controller(run_dir)
+    total = config.trainer.steps
+    try:
+        with console.status("starting the controller, rollout instances and trainer"):
+            wait_for_endpoints(run_dir, process)
+        _follow(run_dir, process, total, console)
+    except KeyboardInterrupt:
+        console.print("stopping: waiting for the final checkpoint and every process to exit")
+        request_stop(process)
+        _wait_quietly(process)
+    except (RuntimeError, TimeoutError) as exc:
+        console.print(f"[bold red]error:[/] {exc}")
+        request_stop(process)
+        _wait_quietly(process)
+        return 1
+    code = process.returncode or 0
+    if code == 0:
+        console.print(f"done: metrics in {run_dir.metrics}")
+    else:
+        console.print(f"[bold red]the controller exited with code {code}[/]; see {run_dir.logs}")
+    return code
+
+
+def prepare_model_with_status(config: Config, console: Console) -> None:
+    with console.status(f"preparing model {config.model.path}"):
+        model = prepare_model(config)
+    console.print(f"model: {model}")
+
+
+def _follow(run_dir: RunDir, process: Any, total: int, console: Console) -> None:
+    tail = JsonlTail(run_dir.metrics)
+    columns = (
+        TextColumn("[bold]training"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+    )
+    with Progress(*columns, console=console, transient=False) as progress:
+        task = progress.add_task("steps", total=total)
+        while True:
+            exited = process.poll() is not None
+            for record in tail.read():
+                if record.get("event") == "step":
+                    progress.console.print(format_step(record, total))
+                    progress.update(task, completed=record["step"])
+                elif record.get("event") in _EVENTS_SHOWN:
+                    progress.console.print(format_event(record), style="dim")
+            if exited:
+                return
+            time.sleep(0.25)
+
+
+def _wait_quietly(process: Any) -> None:
+    """Wait for the controller; a second Ctrl-C does not abandon its children."""
+    while True:
+        try:
+            process.wait()
+            return
+        except KeyboardInterrupt:
+            continue

@@ -1,0 +1,132 @@
+"""The wire codec: round trips, zero-copy array frames, and garbage that must not get through."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime import protocol
+from runtime.protocol import (
+    Completion,
+    Decoder,
+    Encoder,
+    FrameGuard,
+    GroupDone,
+    Heartbeat,
+    ProtocolError,
+    Snapshot,
+)
+
+
+def _group_done(length: int = 7) -> GroupDone:
+    completion = Completion(
+        token_ids=np.arange(length, dtype=np.int32),
+        logprobs=-np.linspace(0.1, 2.0, length, dtype=np.float32),
+        version_min=3,
+        version_max=4,
+        finish_reason="stop",
+        reward=0.5,
+        finished_at=12.5,
+    )
+    return GroupDone(
+        group_id=9,
+        prompt_id=2,
+        instance_id=1,
+        completions=[completion, completion],
+        started_at=10.0,
+        finished_at=12.5,
+    )
+
+
+def test_round_trip_keeps_arrays_out_of_the_header() -> None:
+    message = _group_done(length=1000)
+    frames = Encoder().encode(message)
+    assert len(frames) == 1 + 4  # header + token ids and logprobs of two completions
+    assert len(frames[0]) < 600  # the 8 KB of arrays are not packed into the header
+    decoded = Decoder().decode([bytes(f) for f in frames])
+    assert isinstance(decoded, GroupDone)
+    np.testing.assert_array_equal(decoded.completions[1].token_ids, np.arange(1000))
+    assert decoded.completions[0].logprobs.dtype == np.float32
+    assert decoded.completions[0].version_max == 4
+
+
+def test_empty_arrays_round_trip() -> None:
+    decoded = Decoder().decode([bytes(f) for f in Encoder().encode(_group_done(length=0))])
+    assert decoded.completions[0].token_ids.shape == (0,)
+
+
+def test_every_message_type_is_in_the_union() -> None:
+    snapshot = Snapshot(
+        run_name="r", time=1.0, seq=1, state="running", step=2, total_steps=3,
+        weight_version=2, lag_bound=1,
+    )  # fmt: skip
+    decoded = Decoder().decode(Encoder().encode(snapshot))
+    assert decoded == snapshot
+
+
+@pytest.mark.parametrize(
+    ("frames", "reason"),
+    [
+        ([], "empty"),
+        ([b"\xc1garbage"], "malformed header"),
+        ([msgspec.msgpack.encode((99, {"type": "Heartbeat"}))], "protocol version 99"),
+        ([msgspec.msgpack.encode((1, {"type": "NoSuchMessage"}))], "invalid message"),
+        ([msgspec.msgpack.encode((1, {"type": "Heartbeat", "instance_id": "x"}))], "invalid"),
+    ],
+)
+def test_decoder_rejects_garbage_with_a_reason(frames: list[bytes], reason: str) -> None:
+    with pytest.raises(ProtocolError, match=reason):
+        Decoder().decode(frames)
+
+
+def test_array_frame_that_does_not_match_its_header_is_rejected() -> None:
+    frames = [bytes(f) for f in Encoder().encode(_group_done(length=4))]
+    with pytest.raises(ProtocolError, match="array frame"):
+        Decoder().decode([frames[0], frames[1], b"\x00" * 3, *frames[3:]])
+    with pytest.raises(ProtocolError, match="array frame"):
+        Decoder().decode(frames[:2])  # frames referenced by the header are missing
+
+
+def test_oversized_frames_are_rejected(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(protocol, "MAX_FRAME_BYTES", 16)
+    frames = [bytes(f) for f in Encoder().encode(_group_done(length=8))]
+    with pytest.raises(ProtocolError, match="exceeds"):
+        Decoder().decode(frames)
+
+
+def test_frame_guard_counts_and_survives() -> None:
+    guard = FrameGuard("rollout")
+    assert guard.decode([b"\x00"]) is None
+    assert guard.decode([b""]) is None
+    heartbeat = Heartbeat(
+        instance_id=0, state="running", weight_version=1, running_seqs=2,
+        tokens_generated=10, time=0.0,
+    )  # fmt: skip
+    assert guard.decode(Encoder().encode(heartbeat)) == heartbeat
+    assert guard.rejected_total == 2
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.lists(st.binary(max_size=64), min_size=0, max_size=4))
+def test_random_bytes_never_escape_as_anything_but_protocol_error(frames: list[bytes]) -> None:
+    try:
+        Decoder().decode(frames)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=300, deadline=None)
+@given(st.data())
+def test_mutated_valid_messages_decode_or_fail_cleanly(data: st.DataObject) -> None:
+    frames = [bytearray(bytes(f)) for f in Encoder().encode(_group_done(length=5))]
+    for _ in range(data.draw(st.integers(1, 6))):
+        frame = frames[data.draw(st.integers(0, len(frames) - 1))]
+        if frame:
+            frame[data.draw(st.integers(0, len(frame) - 1))] = data.draw(st.integers(0, 255))
+    try:
+        Decoder().decode([bytes(f) for f in frames])
+    except ProtocolError:
+        pass
