@@ -30,7 +30,7 @@ def test_overrides_parse_yaml_scalars_and_nesting() -> None:
 
 @pytest.mark.parametrize("item", ["novalue", "=3", "a..b=1"])
 def test_malformed_override_is_refused(item: str) -> None:
-    with pytest.raises(ConfigError, match="dotted.key=value"):
+    with pytest.raises(ConfigError, match=r"dotted\.key=value"):
         parse_overrides([item])
 
 
