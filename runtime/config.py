@@ -132,6 +132,10 @@ class LossConfig(_Section):
     clip_eps_high: PositiveFloat | None = None
     importance_cap: PositiveFloat = 2.0
     """Truncation of the importance weight between the proximal and behaviour policies."""
+    decoupled: bool = True
+    """AReaL's decoupled objective: PPO ratio against the trainer's pre-step policy times the
+    truncated weight pi_prox/pi_behav. False: PPO ratio against the behaviour log-probs, no
+    weight (verl's bypass mode). See runtime/trainer/grpo.py."""
     kl_coef: Annotated[float, Field(ge=0.0)] = 0.0
     aggregation: Literal["token", "sequence"] = "token"
     scale_rewards: bool = True

@@ -55,6 +55,8 @@ class Heartbeat(_Message):
     running_seqs: int
     tokens_generated: int
     time: float
+    rejected_frames: int = 0
+    """Garbage frames this worker's socket has rejected so far (counted, then ignored)."""
 
 
 class Generate(_Message):
@@ -66,6 +68,10 @@ class Generate(_Message):
     n: int
     max_tokens: int
     seed: int | None = None
+    temperature: float | None = None
+    """Overrides ``rollout.sampling.temperature`` for this group (0 = greedy, e.g. for evals)."""
+    top_p: float | None = None
+    """Overrides ``rollout.sampling.top_p`` for this group."""
 
 
 class Completion(msgspec.Struct, omit_defaults=True, kw_only=True):
