@@ -90,10 +90,10 @@ def _follow(run_dir: RunDir, process: Any, total: int, console: Console) -> None
             exited = process.poll() is not None
             for record in tail.read():
                 if record.get("event") == "step":
-                    progress.console.print(format_step(record, total))
+                    progress.console.print(format_step(record, total), soft_wrap=True)
                     progress.update(task, completed=record["step"])
                 elif record.get("event") in _EVENTS_SHOWN:
-                    progress.console.print(format_event(record), style="dim")
+                    progress.console.print(format_event(record), style="dim", soft_wrap=True)
             if exited:
                 return
             time.sleep(0.25)
