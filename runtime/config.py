@@ -204,6 +204,17 @@ class Config(_Section):
                 f"async.lag_bound: {self.async_.lag_bound} exceeds async.max_lag_bound "
                 f"({self.async_.max_lag_bound})"
             )
+        if (self.rollout.backend == "sim") != (self.task.name == "sim"):
+            raise ValueError(
+                f"task.name: {self.task.name!r} with rollout.backend {self.rollout.backend!r}; "
+                "simulated instances take their output lengths from the sim task's trace, so "
+                "use task.name: sim exactly when rollout.backend is sim"
+            )
+        if self.rollout.backend == "sim" and self.trainer.backend != "sim":
+            raise ValueError(
+                "trainer.backend: a torch trainer cannot learn from simulated tokens; "
+                "use trainer.backend: sim with rollout.backend: sim"
+            )
         if self.rollout.sampling.n < 2 and self.trainer.backend == "torch":
             raise ValueError("rollout.sampling.n: GRPO needs at least 2 samples per group")
         for i, instance in enumerate(self.rollout.instance_list()):

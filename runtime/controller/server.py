@@ -285,8 +285,8 @@ class Controller:
             if tokenizer is not None:
                 ids = encode_prompt(tokenizer, prompt)
             else:
-                # No model behind simulated instances: the prompt's bytes stand in for tokens.
-                ids = list(prompt.text.encode()[:256])
+                # No model behind simulated instances: the task makes ids of the prompt's length.
+                ids = task.prompt_token_ids(prompt)
             self.prompt_tokens[pid] = np.asarray(ids, dtype=np.int32)
         initial = None
         if cfg.scheduler.lengths:
