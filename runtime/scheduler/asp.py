@@ -1,0 +1,283 @@
+"""``asp``: the Adaptive Scheduling Pipeline's offline pass.
+
+It attacks the three bubbles together, on *predicted* lengths and the cost model:
+
+- padding: groups of similar predicted length share a trainer batch and a minibatch;
+- skewness: long-tail groups are spread over the instances by LPT on predicted work (see
+  ``partition.lpt``) and started early, inside their lag window and in the epoch;
+- sorting: the dispatch order keeps every window of B dispatched groups close to the mean work,
+  so that the training queue fills at a steady rate.
+
+Which trade-off is best depends on η and the cost model (DESIGN.md section 5), so ``plan_asp``
+builds a few candidate plans and scores each with the discrete-event simulator on the predicted
+lengths with multiplicative log-normal noise (the predictor's error is never zero):
+
+- ``homogeneous``: batches of B groups in ascending predicted length, each spread by LPT
+  (the η = 0 winner: every batch waits only for members like itself);
+- ``ascending``: shortest first dealt round robin (the ``sorted`` order; kept as a candidate so
+  that asp never plans worse than it in its own scoring);
+- ``longest_first``: global LPT, longest first (every long group starts as early as possible);
+- ``mix``: every window of B groups gets the same spread of predicted lengths (snake deal),
+  LPT-balanced across instances, so that a long group shares its instance with short ones and
+  runs nearly alone once they finish (a straggler's co-runners set its speed);
+- ``head_mix``: the groups predicted to outlive their lag window go first, spread by LPT; the
+  rest are dealt into windows of B in snake order by length (every window gets the same mix of
+  long and short), each window longest first and LPT-balanced across instances.
+
+Scoring runs on a subsample when the epoch is large, so a 1M-group plan takes seconds.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+
+from runtime.scheduler.base import (
+    GroupSpec,
+    InstanceSpec,
+    Plan,
+    default_length,
+    predicted_max,
+    predicted_tokens,
+)
+from runtime.scheduler.cost_model import CostModel
+from runtime.scheduler.fifo import minibatch_size
+from runtime.scheduler.partition import lpt, snake
+
+VARIANTS = ("homogeneous", "ascending", "longest_first", "head_mix", "mix")
+SCORE_MAX_GROUPS = 3000
+"""Candidate plans are scored on at most this many groups (a stratified subsample)."""
+
+
+@dataclass
+class AspInfo:
+    variant: str
+    scores: dict[str, float] = field(default_factory=dict)
+    predicted_breakdown: dict[str, float] | None = None
+    predicted_iteration_s: float | None = None
+
+
+def _assemble(
+    windows: Sequence[np.ndarray], tok: np.ndarray, instances: Sequence[InstanceSpec], n: int
+) -> Plan:
+    """Spread each window's groups over the instances by LPT on predicted work (longest
+    first inside the window), and concatenate the windows per instance."""
+    ids = [s.instance_id for s in instances]
+    speeds = [float(s.max_num_seqs) for s in instances]
+    queues: dict[int, list[int]] = {i: [] for i in ids}
+    cuts: dict[int, list[int]] = {i: [] for i in ids}
+    loads = [0.0] * len(ids)
+    total_speed = sum(speeds)
+    for win in windows:
+        if len(win) == 0:
+            continue
+        # Carry the loads over, so an instance that got more of window w gets less of w + 1.
+        # Each instance takes at most its slot share of the window's groups: a window fills the
+        # cluster, and an instance given more groups than slots would start a second wave.
+        caps = [math.ceil(len(win) * sp / total_speed) for sp in speeds]
+        parts = lpt(tok[win], speeds, loads, caps=caps)
+        for j, part in enumerate(parts):
+            if not part:
+                continue
+            i = ids[j]
+            q = queues[i]
+            mb = minibatch_size(instances[j], n)
+            # Minibatch boundaries at window starts and every C_i // n groups inside a window.
+            cuts[i].extend(range(len(q), len(q) + len(part), mb))
+            q.extend(win[part].tolist())
+            loads[j] += float(tok[win[part]].sum()) / speeds[j]
+    return Plan(queues, {i: (c or [0]) for i, c in cuts.items()})
+
+
+def _windows(order: np.ndarray, b: int) -> list[np.ndarray]:
+    return [order[k : k + b] for k in range(0, len(order), b)]
+
+
+def build_variant(
+    variant: str,
+    groups: Sequence[GroupSpec],
+    instances: Sequence[InstanceSpec],
+    *,
+    batch_groups: int,
+    lag_bound: int,
+    cost_model: CostModel,
+) -> Plan:
+    """One candidate plan (see the module docstring)."""
+    n = groups[0].n if groups else 1
+    dflt = default_length(groups)
+    tok = predicted_tokens(groups, dflt)
+    mx = predicted_max(groups, dflt)
+    b = batch_groups
+    if variant == "homogeneous":
+        order = np.argsort(mx, kind="stable")
+        return _assemble(_windows(order, b), tok, instances, n)
+    if variant == "ascending":
+        from runtime.scheduler.length_sorted import plan_sorted
+
+        return plan_sorted(groups, instances)
+    if variant == "longest_first":
+        order = np.argsort(-mx, kind="stable")
+        return _assemble([order], tok, instances, n)
+    if variant == "mix":
+        # Every window of B gets the same spread of lengths (snake deal), LPT inside.
+        desc = np.argsort(-mx, kind="stable")
+        nwin = max(1, -(-len(desc) // b))
+        win_of = snake(len(desc), nwin)
+        return _assemble([desc[win_of == w] for w in range(nwin)], tok, instances, n)
+    if variant == "head_mix":
+        dur = _durations(mx, groups, instances, cost_model)
+        it = _iteration_estimate(tok, instances, batch_groups, lag_bound, cost_model)
+        budget = max(1, lag_bound) * it
+        desc = np.argsort(-mx, kind="stable")
+        head_n = int(np.sum(dur > budget))
+        head, body = desc[:head_n], desc[head_n:]
+        # Snake the body over windows: window w gets ranks w, 2W-1-w, 2W+w, ... of the sorted
+        # lengths, so every window has the same spread; inside a window, longest first.
+        nwin = max(1, -(-len(body) // b))
+        win_of = snake(len(body), nwin)
+        wins = [body[win_of == w] for w in range(nwin)]
+        return _assemble([head, *wins], tok, instances, n)
+    raise ValueError(f"variant: {variant!r} is not one of {', '.join(VARIANTS)}")
+
+
+def _durations(
+    mx: np.ndarray, groups: Sequence[GroupSpec], instances: Sequence[InstanceSpec], cost: CostModel
+) -> np.ndarray:
+    """Predicted wall time of each group's longest member in a full instance."""
+    c = float(np.mean([s.max_num_seqs for s in instances]))
+    mean_ctx = float(np.mean(mx)) if len(mx) else 0.0
+    per_step = cost.decode_step_s(int(c), c * mean_ctx)
+    return mx * per_step
+
+
+def _iteration_estimate(
+    tok: np.ndarray, instances: Sequence[InstanceSpec], b: int, lag_bound: int, cost: CostModel
+) -> float:
+    """Predicted time per trainer step: B groups' tokens at full-instance throughput."""
+    if len(tok) == 0:
+        return 0.0
+    c = float(np.mean([s.max_num_seqs for s in instances]))
+    ctx = float(np.mean(tok))
+    per_tok = cost.decode_step_s(int(c), c * ctx / 2) / c
+    roll = float(np.mean(tok)) * b * per_tok / len(instances)
+    train = cost.trainer_step_s(float(np.mean(tok)) * b)
+    return roll + train if lag_bound == 0 else max(roll, train)
+
+
+def _noisy_actual(
+    groups: Sequence[GroupSpec], rng: np.random.Generator, sigma: float, dflt: float, tail_p: float
+) -> dict[int, tuple[int, ...]]:
+    """Plausible actual lengths around the predictions: each sample is the prediction times
+    log-normal noise (mean 1), and with probability ``tail_p`` a degenerate run to the cap
+    (the longest prediction), the long tail that no single-sample prediction foresees."""
+    cap = max((max(g.predicted_lengths) for g in groups if g.predicted_lengths), default=dflt)
+    out = {}
+    for g in groups:
+        base = np.mean(g.predicted_lengths) if g.predicted_lengths else dflt
+        x = base * rng.lognormal(-sigma * sigma / 2, sigma, size=g.n)
+        x = np.where(rng.random(g.n) < tail_p, max(cap, x.max()), x)
+        out[g.prompt_id] = tuple(np.maximum(1, np.round(x)).astype(int).tolist())
+    return out
+
+
+def plan_asp(
+    groups: Sequence[GroupSpec],
+    instances: Sequence[InstanceSpec],
+    *,
+    batch_groups: int,
+    lag_bound: int,
+    cost_model: CostModel,
+    seed: int = 0,
+    variants: Sequence[str] = VARIANTS,
+    noise_sigma: float = 0.4,
+    tail_p: float = 0.002,
+    draws: int = 2,
+    dispatch: str = "continuous",
+) -> tuple[Plan, AspInfo]:
+    """Build the candidates, score them in the simulator, return the best plan.
+
+    Each candidate is scored by its mean simulated iteration time over ``draws`` noisy
+    realisations of the predictions (``noise_sigma``: log-normal spread per sample, 0.4 is about
+    the within-group spread of the grouped traces; ``tail_p``: chance per sample of a run to the
+    cap, 0.1-0.5% in shared/data/lengths). All candidates see the same draws."""
+    from runtime.scheduler.base import PlannedScheduler
+    from runtime.sim.engine import simulate
+
+    variants = list(variants)
+    if len(variants) == 1 or not groups:
+        v = variants[0]
+        return build_variant(
+            v,
+            groups,
+            instances,
+            batch_groups=batch_groups,
+            lag_bound=lag_bound,
+            cost_model=cost_model,
+        ), AspInfo(v)
+    rng = np.random.default_rng(seed)
+    # Score on a subsample with the cluster scaled down in proportion, so per-instance load,
+    # batch size relative to capacity and the lag window look the same.
+    sub_groups, sub_inst, sub_b = _subsample(groups, instances, batch_groups, rng)
+    dflt = default_length(sub_groups)
+    if len(groups) > 100_000:
+        draws = 1  # keep 1M-group planning within seconds
+    actuals = [_noisy_actual(sub_groups, rng, noise_sigma, dflt, tail_p) for _ in range(draws)]
+    scores: dict[str, float] = {}
+    best = None
+    for v in variants:
+        plan = build_variant(
+            v, sub_groups, sub_inst, batch_groups=sub_b, lag_bound=lag_bound, cost_model=cost_model
+        )
+        runs = []
+        for actual in actuals:
+            s = PlannedScheduler(
+                v,
+                sub_groups,
+                sub_inst,
+                plan,
+                batch_groups=sub_b,
+                lag_bound=lag_bound,
+                cost_model=cost_model,
+            )
+            runs.append(
+                simulate(
+                    s,
+                    sub_groups,
+                    actual,
+                    sub_inst,
+                    batch_groups=sub_b,
+                    lag_bound=lag_bound,
+                    cost_model=cost_model,
+                    dispatch=dispatch,
+                )
+            )
+        scores[v] = float(np.mean([r.iteration_s for r in runs]))
+        if best is None or scores[v] < best[2]:
+            best = (v, runs[0], scores[v])
+    assert best is not None
+    v, r, _ = best
+    plan = build_variant(
+        v, groups, instances, batch_groups=batch_groups, lag_bound=lag_bound, cost_model=cost_model
+    )
+    return plan, AspInfo(v, scores, dict(r.breakdown.fractions), r.iteration_s)
+
+
+def _subsample(
+    groups: Sequence[GroupSpec], instances: Sequence[InstanceSpec], b: int, rng: np.random.Generator
+) -> tuple[list[GroupSpec], list[InstanceSpec], int]:
+    """A random subsample of at most ``SCORE_MAX_GROUPS`` groups on a cluster scaled down in
+    proportion (at least 4 instances), with B scaled by the same factor, so per-instance load,
+    batch size relative to capacity and the lag window stay as they are."""
+    g = len(groups)
+    if g <= SCORE_MAX_GROUPS:
+        return list(groups), list(instances), b
+    k = len(instances)
+    keep_k = min(k, max(4, round(k * SCORE_MAX_GROUPS / g)))
+    frac = keep_k / k
+    sub_b = max(1, round(b * frac))
+    size = min(SCORE_MAX_GROUPS, max(sub_b, round(g * frac)))
+    keep = np.sort(rng.choice(g, size=size, replace=False))
+    return [groups[i] for i in keep], list(instances[:keep_k]), sub_b

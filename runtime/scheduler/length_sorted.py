@@ -1,0 +1,17 @@
+"""``sorted``: length-sorted dispatch, shortest first (as SortedRL does), round robin."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import numpy as np
+
+from runtime.scheduler.base import GroupSpec, InstanceSpec, Plan, default_length, predicted_max
+from runtime.scheduler.fifo import round_robin
+
+
+def plan_sorted(groups: Sequence[GroupSpec], instances: Sequence[InstanceSpec]) -> Plan:
+    # Sort on the predicted longest member: it decides when a group (and its minibatch) ends.
+    key = predicted_max(groups, default_length(groups))
+    order = np.argsort(key, kind="stable")
+    return round_robin(order.tolist(), groups, instances)

@@ -1,0 +1,252 @@
+"""Length sources: a lengths file, a per-prompt running history, a prompt-length proxy, and the
+predictor-quality report (Spearman rho and MAPE against what actually came).
+
+A lengths file is a CSV, detected from its header:
+
+- *long*: a ``prompt_id`` and an ``output_tokens`` column, one row per sample; rows sharing a
+  ``prompt_id`` form a group (an optional ``prompt_tokens`` column is kept);
+- *wide*: one row per group and one column per sample, named ``o1..oK`` or ``out_*`` (the grouped
+  traces in shared/data/lengths as they are). The group id is ``prompt_id`` when that column exists
+  and is unique, else the row number (castillo's ``prompt_idx`` repeats across models).
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import numpy as np
+
+from runtime.scheduler.base import GroupSpec
+
+_WIDE = re.compile(r"^(o\d+|out_.+)$")
+
+
+class LengthsFileError(ValueError):
+    """A lengths file that cannot be read; the message names the file, line, column and value."""
+
+
+@dataclass
+class LengthTable:
+    """Groups read from a lengths file, in file order."""
+
+    prompt_ids: list[int]
+    lengths: list[tuple[int, ...]]
+    prompt_tokens: list[int] = field(default_factory=list)
+    source: str = ""
+    form: str = "long"
+
+    def __len__(self) -> int:
+        return len(self.prompt_ids)
+
+    def as_map(self) -> dict[int, tuple[int, ...]]:
+        return dict(zip(self.prompt_ids, self.lengths, strict=True))
+
+    def split(self, predict: int = 1) -> tuple[LengthTable, LengthTable]:
+        """(prediction, actual): the first ``predict`` samples of every group predict the rest.
+        Groups with too few samples are an error."""
+        short = [
+            p for p, ls in zip(self.prompt_ids, self.lengths, strict=True) if len(ls) <= predict
+        ]
+        if short:
+            raise LengthsFileError(
+                f"{self.source}: prompt_id {short[0]} has {len(self.as_map()[short[0]])} samples;"
+                f" splitting off {predict} as the prediction needs more"
+            )
+        pred = LengthTable(
+            self.prompt_ids,
+            [ls[:predict] for ls in self.lengths],
+            self.prompt_tokens,
+            self.source,
+            self.form,
+        )
+        act = LengthTable(
+            self.prompt_ids,
+            [ls[predict:] for ls in self.lengths],
+            self.prompt_tokens,
+            self.source,
+            self.form,
+        )
+        return pred, act
+
+
+def _int(value: str, where: str, column: str) -> int:
+    try:
+        f = float(value)
+    except ValueError:
+        raise LengthsFileError(f"{where}: column {column!r}: {value!r} is not an integer") from None
+    if not math.isfinite(f) or f != int(f):
+        raise LengthsFileError(f"{where}: column {column!r}: {value!r} is not an integer")
+    if f < 0:
+        raise LengthsFileError(f"{where}: column {column!r}: {value!r} is negative")
+    return int(f)
+
+
+def read_lengths(path: str | Path) -> LengthTable:
+    """Read a long or wide lengths CSV (see the module docstring)."""
+    p = Path(path)
+    if not p.is_file():
+        raise LengthsFileError(f"{p}: no such file")
+    with p.open(newline="") as fh:
+        reader = csv.reader(fh)
+        header = next(reader, None)
+        if not header:
+            raise LengthsFileError(f"{p}: empty file (a header row is required)")
+        header = [h.strip() for h in header]
+        wide = [j for j, h in enumerate(header) if _WIDE.match(h)]
+        col = {h: j for j, h in enumerate(header)}
+        tokens_j = col.get("prompt_tokens")
+        ids: list[int] = []
+        lengths: list[tuple[int, ...]] = []
+        ptoks: list[int] = []
+        if wide:
+            id_j = col.get("prompt_id")
+            for ln, row in enumerate(reader, start=2):
+                if not row:
+                    continue
+                where = f"{p}:{ln}"
+                if len(row) != len(header):
+                    raise LengthsFileError(f"{where}: {len(row)} fields, header has {len(header)}")
+                lengths.append(tuple(_int(row[j], where, header[j]) for j in wide))
+                ids.append(_int(row[id_j], where, "prompt_id") if id_j is not None else ln - 2)
+                if tokens_j is not None:
+                    ptoks.append(_int(row[tokens_j], where, "prompt_tokens"))
+            if id_j is not None and len(set(ids)) != len(ids):
+                ids = list(range(len(ids)))
+            form = "wide"
+        else:
+            for need in ("prompt_id", "output_tokens"):
+                if need not in col:
+                    raise LengthsFileError(
+                        f"{p}: missing column {need!r} (a long file needs prompt_id and "
+                        f"output_tokens; a wide file needs o1..oK or out_* columns); "
+                        f"header is {','.join(header)}"
+                    )
+            groups: dict[int, list[int]] = {}
+            toks: dict[int, int] = {}
+            for ln, row in enumerate(reader, start=2):
+                if not row:
+                    continue
+                where = f"{p}:{ln}"
+                if len(row) != len(header):
+                    raise LengthsFileError(f"{where}: {len(row)} fields, header has {len(header)}")
+                pid = _int(row[col["prompt_id"]], where, "prompt_id")
+                groups.setdefault(pid, []).append(
+                    _int(row[col["output_tokens"]], where, "output_tokens")
+                )
+                if tokens_j is not None:
+                    toks[pid] = _int(row[tokens_j], where, "prompt_tokens")
+            ids = list(groups)
+            lengths = [tuple(groups[i]) for i in ids]
+            ptoks = [toks[i] for i in ids] if tokens_j is not None else []
+            form = "long"
+    if not ids:
+        raise LengthsFileError(f"{p}: no data rows")
+    return LengthTable(ids, lengths, ptoks, str(p), form)
+
+
+def write_lengths(path: str | Path, table: Mapping[int, Sequence[int]]) -> None:
+    """Write a long lengths CSV (``prompt_id,output_tokens``)."""
+    with Path(path).open("w", newline="") as fh:
+        w = csv.writer(fh)
+        w.writerow(["prompt_id", "output_tokens"])
+        for pid, ls in table.items():
+            for x in ls:
+                w.writerow([pid, int(x)])
+
+
+class LengthHistory:
+    """Per-prompt running history of observed lengths, with a prompt-length proxy fallback.
+
+    ``predict`` prefers, in order: the prompt's own history (mean of the last ``window``
+    observations per sample), the proxy (a least-squares line of mean output length on prompt
+    length, fitted on everything observed), the global mean, then ``None`` (unknown).
+    """
+
+    def __init__(
+        self,
+        window: int = 4,
+        initial: Mapping[int, Sequence[int]] | None = None,
+        prompt_tokens: Mapping[int, int] | None = None,
+    ) -> None:
+        self.window = window
+        self.history: dict[int, list[float]] = {}
+        self.prompt_tokens: dict[int, int] = dict(prompt_tokens or {})
+        # Sufficient statistics of the proxy regression: n, sx, sy, sxx, sxy.
+        self._stats = np.zeros(5)
+        self._global = np.zeros(2)
+        for pid, ls in (initial or {}).items():
+            self.observe(pid, ls)
+
+    def observe(
+        self, prompt_id: int, lengths: Sequence[int], prompt_tokens: int | None = None
+    ) -> None:
+        if not lengths:
+            return
+        if prompt_tokens is not None:
+            self.prompt_tokens[prompt_id] = prompt_tokens
+        m = float(np.mean(lengths))
+        h = self.history.setdefault(prompt_id, [])
+        h.append(m)
+        del h[: -self.window]
+        self._global += (m, 1.0)
+        x = self.prompt_tokens.get(prompt_id)
+        if x is not None:
+            self._stats += (1.0, x, m, x * x, x * m)
+
+    def proxy(self, prompt_tokens: int) -> float | None:
+        """The prompt-length proxy: fitted mean output length for a prompt of this length."""
+        n, sx, sy, sxx, sxy = self._stats
+        if n < 2:
+            return None
+        var = n * sxx - sx * sx
+        slope = (n * sxy - sx * sy) / var if var > 0 else 0.0
+        return max(1.0, (sy - slope * sx) / n + slope * prompt_tokens)
+
+    def predict(self, prompt_id: int, n: int) -> tuple[int, ...] | None:
+        h = self.history.get(prompt_id)
+        if h:
+            v = float(np.mean(h))
+        elif (x := self.prompt_tokens.get(prompt_id)) is not None and (
+            pv := self.proxy(x)
+        ) is not None:
+            v = pv
+        elif self._global[1] > 0:
+            v = self._global[0] / self._global[1]
+        else:
+            return None
+        return (max(1, round(v)),) * n
+
+    def groups(self, prompt_ids: Sequence[int], n: int) -> list[GroupSpec]:
+        """``GroupSpec`` list for an epoch over ``prompt_ids`` with the current predictions."""
+        return [GroupSpec(p, n, self.predict(p, n)) for p in prompt_ids]
+
+
+def _ranks(x: np.ndarray) -> np.ndarray:
+    """Average ranks (ties share the mean rank), as Spearman's rho needs."""
+    order = np.argsort(x, kind="stable")
+    ranks = np.empty(len(x))
+    ranks[order] = np.arange(len(x), dtype=float)
+    _, inv, counts = np.unique(x, return_inverse=True, return_counts=True)
+    sums = np.bincount(inv, weights=ranks)
+    return sums[inv] / counts[inv]
+
+
+def predictor_quality(predicted: Sequence[float], actual: Sequence[float]) -> tuple[float, float]:
+    """(Spearman rho, MAPE) of ``predicted`` against ``actual`` (aligned, one value each, e.g.
+    per-group mean lengths). MAPE divides by max(actual, 1). rho is nan for constant input."""
+    p = np.asarray(predicted, dtype=float)
+    a = np.asarray(actual, dtype=float)
+    if p.shape != a.shape or p.ndim != 1:
+        raise ValueError(f"predicted and actual must be aligned 1-D (got {p.shape}, {a.shape})")
+    if len(p) == 0:
+        return float("nan"), float("nan")
+    mape = float(np.mean(np.abs(p - a) / np.maximum(a, 1.0)))
+    rp, ra = _ranks(p), _ranks(a)
+    sp, sa = rp.std(), ra.std()
+    rho = float(np.mean((rp - rp.mean()) * (ra - ra.mean())) / (sp * sa)) if sp and sa else math.nan
+    return rho, mape

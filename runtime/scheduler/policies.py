@@ -1,0 +1,104 @@
+"""The policy registry and ``make_scheduler``, the controller's one entry point."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from runtime.scheduler.base import (
+    GroupSpec,
+    InstanceSpec,
+    PlannedScheduler,
+    Scheduler,
+    default_length,
+)
+from runtime.scheduler.cost_model import CostModel
+from runtime.scheduler.fifo import plan_fifo
+from runtime.scheduler.length_sorted import plan_sorted
+
+POLICIES = ("fifo", "sorted", "asp")
+
+
+def _validate(
+    groups: Sequence[GroupSpec],
+    instances: Sequence[InstanceSpec],
+    batch_groups: int,
+    lag_bound: int,
+) -> None:
+    if not instances:
+        raise ValueError("instances: at least one instance is required")
+    if len({s.instance_id for s in instances}) != len(instances):
+        raise ValueError("instances: instance_id values must be unique")
+    if batch_groups < 1:
+        raise ValueError(f"batch_groups: {batch_groups} must be >= 1")
+    if lag_bound < 0:
+        raise ValueError(f"lag_bound: {lag_bound} must be >= 0")
+    for g in groups:
+        if g.n < 1:
+            raise ValueError(f"groups[prompt_id={g.prompt_id}].n: {g.n} must be >= 1")
+        if g.predicted_lengths is not None and any(x < 0 for x in g.predicted_lengths):
+            raise ValueError(f"groups[prompt_id={g.prompt_id}].predicted_lengths: negative")
+    for s in instances:
+        if s.max_num_seqs < 1:
+            raise ValueError(f"instances[{s.instance_id}].max_num_seqs must be >= 1")
+
+
+def make_scheduler(
+    policy: str,
+    groups: Sequence[GroupSpec],
+    instances: Sequence[InstanceSpec],
+    *,
+    batch_groups: int,
+    lag_bound: int,
+    cost_model: CostModel | None = None,
+    seed: int = 0,
+    dispatch: str = "continuous",
+) -> Scheduler:
+    """Plan one epoch with ``policy`` and return the scheduler that serves and repairs it.
+
+    ``dispatch`` is the controller's dispatch mode (``scheduler.dispatch`` in the config); asp
+    scores its candidate plans under it."""
+    if policy not in POLICIES:
+        raise ValueError(f"policy: {policy!r} is not one of {', '.join(POLICIES)}")
+    _validate(groups, instances, batch_groups, lag_bound)
+    cost_model = cost_model or CostModel()
+    if policy == "fifo":
+        plan = plan_fifo(groups, instances)
+    elif policy == "sorted":
+        plan = plan_sorted(groups, instances)
+    else:
+        from runtime.scheduler.asp import plan_asp
+
+        plan, info = plan_asp(
+            groups,
+            instances,
+            batch_groups=batch_groups,
+            lag_bound=lag_bound,
+            cost_model=cost_model,
+            seed=seed,
+            dispatch=dispatch,
+        )
+        s = PlannedScheduler(
+            policy,
+            groups,
+            instances,
+            plan,
+            batch_groups=batch_groups,
+            lag_bound=lag_bound,
+            cost_model=cost_model,
+            default_length=default_length(groups),
+            steal=True,
+        )
+        s.predicted_breakdown = info.predicted_breakdown
+        s.plan_info = info
+        s.name = "asp"
+        return s
+    return PlannedScheduler(
+        policy,
+        groups,
+        instances,
+        plan,
+        batch_groups=batch_groups,
+        lag_bound=lag_bound,
+        cost_model=cost_model,
+        default_length=default_length(groups),
+    )

@@ -1,0 +1,373 @@
+"""Scheduler policies, plan invariants, online repair, length sources, cost model, partition."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from runtime.scheduler import CostModel, GroupSpec, InstanceSpec, make_scheduler
+from runtime.scheduler.asp import VARIANTS, build_variant
+from runtime.scheduler.lengths import (
+    LengthHistory,
+    LengthsFileError,
+    predictor_quality,
+    read_lengths,
+    write_lengths,
+)
+from runtime.scheduler.partition import karmarkar_karp, lpt, snake
+
+DATA = Path(__file__).parent / "data"
+
+
+def groups_of(lengths, n=4):
+    return [GroupSpec(p, n, None if ls is None else tuple(ls)) for p, ls in enumerate(lengths)]
+
+
+def drain(sched, instances, max_groups=3):
+    """Hand out everything, round robin, as a controller would; returns (instance, ids) calls."""
+    calls = []
+    while sched.remaining():
+        progressed = False
+        for s in instances:
+            got = sched.next_groups(s.instance_id, max_groups)
+            if got:
+                calls.append((s.instance_id, got))
+                progressed = True
+        assert progressed, "remaining() > 0 but no instance gets work"
+    return calls
+
+
+@pytest.mark.parametrize("policy", ["fifo", "sorted", "asp"])
+def test_plan_covers_every_group_once_and_is_deterministic(policy):
+    rng = np.random.default_rng(3)
+    lengths = [tuple(rng.integers(1, 500, size=4).tolist()) for _ in range(300)]
+    lengths[7] = None  # unknown prediction
+    groups = groups_of(lengths)
+    inst = [InstanceSpec(0, 16), InstanceSpec(1, 8), InstanceSpec(5, 32)]
+    a = make_scheduler(policy, groups, inst, batch_groups=12, lag_bound=1, seed=7)
+    b = make_scheduler(policy, groups, inst, batch_groups=12, lag_bound=1, seed=7)
+    ca, cb = drain(a, inst), drain(b, inst)
+    assert ca == cb
+    handed = [p for _, ids in ca for p in ids]
+    assert sorted(handed) == list(range(300))
+    assert a.remaining() == 0
+    assert all(len(ids) <= 3 for _, ids in ca)
+
+
+@pytest.mark.parametrize("policy", ["fifo", "sorted", "asp"])
+def test_next_groups_never_crosses_a_minibatch_boundary(policy):
+    groups = groups_of([(x,) * 4 for x in range(1, 101)])
+    inst = [InstanceSpec(0, 16), InstanceSpec(1, 16)]  # minibatch = 16 // 4 = 4 groups
+    s = make_scheduler(policy, groups, inst, batch_groups=8, lag_bound=0)
+    cuts = {i: set() for i in (0, 1)}
+    pos = {i: 0 for i in (0, 1)}
+    for i in (0, 1):
+        for mb in s.queues[i]:
+            cuts[i].add(pos[i])
+            pos[i] += len(mb)
+    pos = {i: 0 for i in (0, 1)}
+    while s.remaining():
+        for i in (0, 1):
+            got = s.next_groups(i, 100)
+            if not got:
+                continue
+            start, end = pos[i], pos[i] + len(got)
+            assert not any(start < c < end for c in cuts[i]), "crossed a boundary"
+            pos[i] = end
+            assert len(got) <= 4
+
+
+def test_fifo_is_dataset_order_round_robin_and_sorted_is_shortest_first():
+    groups = groups_of([(10 - p,) for p in range(10)], n=1)
+    inst = [InstanceSpec(0, 1), InstanceSpec(1, 1)]
+    f = make_scheduler("fifo", groups, inst, batch_groups=2, lag_bound=1)
+    assert [f.next_groups(0, 1)[0] for _ in range(5)] == [0, 2, 4, 6, 8]
+    s = make_scheduler("sorted", groups, inst, batch_groups=2, lag_bound=1)
+    assert [s.next_groups(0, 1)[0] for _ in range(5)] == [9, 7, 5, 3, 1]
+
+
+def test_make_scheduler_rejects_bad_input():
+    g = groups_of([(1,), (2,)], n=1)
+    inst = [InstanceSpec(0, 4)]
+    with pytest.raises(ValueError, match="policy"):
+        make_scheduler("lifo", g, inst, batch_groups=1, lag_bound=0)
+    with pytest.raises(ValueError, match="unique"):
+        make_scheduler("fifo", [g[0], g[0]], inst, batch_groups=1, lag_bound=0)
+    with pytest.raises(ValueError, match="batch_groups"):
+        make_scheduler("fifo", g, inst, batch_groups=0, lag_bound=0)
+    with pytest.raises(ValueError, match="instances"):
+        make_scheduler("fifo", g, [], batch_groups=1, lag_bound=0)
+
+
+def test_asp_reports_a_predicted_breakdown_and_picks_a_variant():
+    rng = np.random.default_rng(0)
+    groups = groups_of([tuple(rng.integers(1, 800, size=4).tolist()) for _ in range(200)])
+    inst = [InstanceSpec(i, 16) for i in range(4)]
+    s = make_scheduler("asp", groups, inst, batch_groups=16, lag_bound=1)
+    assert s.name == "asp"
+    assert s.plan_info.variant in VARIANTS
+    assert set(s.plan_info.scores) == set(VARIANTS)
+    assert sum(s.predicted_breakdown.values()) == pytest.approx(1.0)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_every_asp_variant_is_a_complete_plan(variant):
+    rng = np.random.default_rng(1)
+    groups = groups_of([tuple(rng.integers(1, 900, size=2).tolist()) for _ in range(97)], n=2)
+    inst = [InstanceSpec(0, 8), InstanceSpec(1, 4)]
+    plan = build_variant(variant, groups, inst, batch_groups=6, lag_bound=2, cost_model=CostModel())
+    flat = sorted(g for q in plan.queues.values() for g in q)
+    assert flat == list(range(97))
+    for i, q in plan.queues.items():
+        assert plan.cuts[i][0] == 0 and plan.cuts[i] == sorted(set(plan.cuts[i]))
+        assert all(c < max(1, len(q)) for c in plan.cuts[i])
+
+
+def test_asp_longest_first_spreads_the_long_tail_over_instances():
+    lengths = [(1000,)] * 4 + [(10,)] * 60
+    groups = groups_of(lengths, n=1)
+    inst = [InstanceSpec(i, 4) for i in range(4)]
+    plan = build_variant(
+        "longest_first", groups, inst, batch_groups=4, lag_bound=1, cost_model=CostModel()
+    )
+    # Each instance starts with exactly one of the four long groups.
+    assert sorted(plan.queues[i][0] for i in range(4)) == [0, 1, 2, 3]
+
+
+# --- online repair -------------------------------------------------------------------------
+
+
+def unfinished_accounted(s, out, finished, total):
+    pending = s.pending_groups()
+    assert len(pending) == len(set(pending)), "a group is planned twice"
+    assert not set(pending) & out, "a handed-out group is still planned"
+    assert not set(pending) & finished
+    assert set(pending) | out | finished == set(range(total))
+
+
+def test_pause_moves_work_and_resume_takes_a_fair_share_back():
+    groups = groups_of([(50,)] * 40, n=1)
+    inst = [InstanceSpec(i, 2) for i in range(4)]
+    s = make_scheduler("asp", groups, inst, batch_groups=4, lag_bound=1)
+    s.on_instance_paused(2)
+    assert s.pending(2) == 0 and s.next_groups(2, 5) == []
+    assert s.remaining() == 40
+    s.on_instance_resumed(2)
+    assert s.pending(2) > 0
+    assert s.remaining() == 40
+    s.on_instance_lost(3)
+    assert s.next_groups(3, 5) == [] and s.remaining() == 40
+    s.on_instance_added(InstanceSpec(9, 2))
+    assert s.pending(9) > 0 and s.remaining() == 40
+    unfinished_accounted(s, set(), set(), 40)
+
+
+def test_asp_steals_the_last_minibatch_when_an_instance_runs_dry():
+    groups = groups_of([(50,)] * 24, n=1)
+    inst = [InstanceSpec(i, 2) for i in range(3)]
+    s = make_scheduler("asp", groups, inst, batch_groups=3, lag_bound=1)
+    while s.pending(0):
+        s.next_groups(0, 2)
+    before = s.remaining()
+    got = s.next_groups(0, 2)
+    assert got and s.remaining() == before - len(got)
+    unfinished_accounted(s, set(got), set(range(24)) - set(s.pending_groups()) - set(got), 24)
+    # fifo and sorted keep their static plan.
+    f = make_scheduler("fifo", groups, inst, batch_groups=3, lag_bound=1)
+    while s.pending(0) and f.pending(0):
+        f.next_groups(0, 2)
+    while f.pending(0):
+        f.next_groups(0, 2)
+    assert f.next_groups(0, 2) == []
+
+
+def test_requeued_groups_come_back_first():
+    groups = groups_of([(5,)] * 12, n=1)
+    inst = [InstanceSpec(0, 1), InstanceSpec(1, 1)]
+    s = make_scheduler("fifo", groups, inst, batch_groups=2, lag_bound=1)
+    got = s.next_groups(0, 1) + s.next_groups(0, 1)
+    s.requeue(got)
+    # They go to the least loaded instances as one minibatch at the front of each queue.
+    first = {*s.next_groups(0, 5), *s.next_groups(1, 5)}
+    assert set(got) <= first
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    policy=st.sampled_from(["fifo", "sorted", "asp"]),
+    ops=st.lists(
+        st.tuples(
+            st.sampled_from(["next", "finish", "requeue", "pause", "resume", "lost", "add"]),
+            st.integers(0, 5),
+            st.integers(1, 4),
+        ),
+        max_size=60,
+    ),
+    lengths=st.lists(st.integers(1, 1000), min_size=1, max_size=80),
+)
+def test_property_repair_keeps_every_unfinished_group(policy, ops, lengths):
+    total = len(lengths)
+    groups = groups_of([(x, x // 2 + 1) for x in lengths], n=2)
+    inst = [InstanceSpec(i, 4) for i in range(3)]
+    s = make_scheduler(policy, groups, inst, batch_groups=3, lag_bound=1, seed=1)
+    out: dict[int, int] = {}
+    finished: set[int] = set()
+    known = {0, 1, 2}
+    for op, i, k in ops:
+        if op == "next":
+            for p in s.next_groups(i, k):
+                out[p] = i
+        elif op == "finish" and out:
+            p = sorted(out)[i % len(out)]
+            s.on_group_finished(p, out.pop(p), [1, 2])
+            finished.add(p)
+        elif op == "requeue" and out:
+            back = sorted(out)[:k]
+            for p in back:
+                out.pop(p)
+            s.requeue(back)
+        elif op == "pause":
+            s.on_instance_paused(i)
+        elif op == "resume":
+            s.on_instance_resumed(i)
+        elif op == "lost":
+            s.on_instance_lost(i)
+            back = [p for p, j in out.items() if j == i]
+            for p in back:
+                out.pop(p)
+            s.requeue(back)
+        elif op == "add" and i not in known:
+            s.on_instance_added(InstanceSpec(i, 4))
+            known.add(i)
+        unfinished_accounted(s, set(out), finished, total)
+    assert s.remaining() == total - len(out) - len(finished)
+
+
+# --- partition -----------------------------------------------------------------------------
+
+
+def test_lpt_and_karmarkar_karp_balance():
+    w = [7, 5, 4, 3, 3, 2, 2, 1]
+    parts = lpt(w, [1.0, 1.0])
+    assert sorted(i for p in parts for i in p) == list(range(8))
+    loads = sorted(sum(w[i] for i in p) for p in parts)
+    assert loads == [13, 14]
+    kk = karmarkar_karp(w, 2)
+    assert sorted(i for p in kk for i in p) == list(range(8))
+    assert sorted(sum(w[i] for i in p) for p in kk) in ([13, 14], [13.5, 13.5])
+    # A bin with twice the speed takes about twice the load.
+    fast = lpt([1.0] * 30, [2.0, 1.0])
+    assert len(fast[0]) == 20
+    assert snake(7, 3).tolist() == [0, 1, 2, 2, 1, 0, 0]
+
+
+# --- cost model ----------------------------------------------------------------------------
+
+
+def test_cost_model_steps_and_fit():
+    cm = CostModel()
+    assert cm.decode_step_s(0, 0) == 0.0
+    r, ctx, k = 10, 5000.0, 7
+    manual = sum(cm.decode_step_s(r, ctx + r * j) for j in range(k))
+    assert cm.decode_steps_s(k, r, ctx) == pytest.approx(manual)
+    assert cm.trainer_step_s(48_000) == pytest.approx(cm.trainer_base_s + 1.0)
+    truth = CostModel(
+        step_base_s=0.004,
+        step_per_seq_s=2e-5,
+        step_per_ctx_token_s=3e-8,
+        prefill_per_token_s=1e-5,
+        trainer_base_s=2.0,
+        trainer_tokens_per_s=1e5,
+    )
+    rng = np.random.default_rng(0)
+    recs = []
+    for _ in range(200):
+        rs, cx = int(rng.integers(1, 256)), float(rng.integers(0, 200_000))
+        recs.append(
+            {
+                "kind": "decode",
+                "running_seqs": rs,
+                "context_tokens": cx,
+                "seconds": truth.decode_step_s(rs, cx),
+            }
+        )
+    recs += [{"kind": "prefill", "tokens": t, "seconds": truth.prefill_s(t)} for t in (10, 900)]
+    recs += [
+        {"kind": "trainer", "tokens": t, "seconds": truth.trainer_step_s(t)} for t in (1e4, 1e6)
+    ]
+    fit = CostModel.fit(recs)
+    for f in (
+        "step_base_s",
+        "step_per_seq_s",
+        "step_per_ctx_token_s",
+        "prefill_per_token_s",
+        "trainer_base_s",
+        "trainer_tokens_per_s",
+    ):
+        assert getattr(fit, f) == pytest.approx(getattr(truth, f), rel=1e-6), f
+    with pytest.raises(ValueError, match="kind"):
+        CostModel.fit([{"kind": "warp", "seconds": 1.0}])
+    with pytest.raises(ValueError, match="step_base_s"):
+        CostModel(step_base_s=-1)
+
+
+# --- length sources ------------------------------------------------------------------------
+
+
+def test_read_wide_and_long_files(tmp_path):
+    cas = read_lengths(DATA / "castillo_sample.csv")
+    assert cas.form == "wide" and len(cas) == 60 and len(cas.lengths[0]) == 10
+    assert cas.prompt_ids == list(range(60)) or len(set(cas.prompt_ids)) == 60
+    assert cas.lengths[0] == (187, 209, 263, 197, 189, 218, 197, 201, 217, 203)
+    assert cas.prompt_tokens[0] == 37
+    seq = read_lengths(DATA / "seqsched_sample.csv")
+    assert seq.form == "wide" and len(seq.lengths[0]) == 4 and seq.prompt_ids[0] == 5
+    p = tmp_path / "long.csv"
+    write_lengths(p, {3: [10, 20], 9: [5]})
+    long = read_lengths(p)
+    assert long.form == "long" and long.as_map() == {3: (10, 20), 9: (5,)}
+    pred, act = cas.split(1)
+    assert pred.lengths[0] == (187,) and len(act.lengths[0]) == 9
+
+
+@pytest.mark.parametrize(
+    "text,match",
+    [
+        ("", "empty"),
+        ("prompt_id,tokens\n1,2\n", "missing column 'output_tokens'"),
+        ("prompt_id,output_tokens\n1,-3\n", "negative"),
+        ("prompt_id,output_tokens\n1,2.5\n", "not an integer"),
+        ("prompt_id,output_tokens\n1,abc\n", "not an integer"),
+        ("prompt_id,output_tokens\n", "no data rows"),
+        ("o1,o2\n1,2\n3\n", "fields"),
+    ],
+)
+def test_bad_lengths_files_are_clear_errors(tmp_path, text, match):
+    p = tmp_path / "bad.csv"
+    p.write_text(text)
+    with pytest.raises(LengthsFileError, match=match):
+        read_lengths(p)
+
+
+def test_predictor_quality_and_history():
+    assert predictor_quality([1, 2, 3], [10, 20, 30]) == pytest.approx((1.0, 0.9))
+    rho, mape = predictor_quality([3, 2, 1], [1, 2, 3])
+    assert rho == pytest.approx(-1.0) and mape == pytest.approx((2 / 1 + 0 + 2 / 3) / 3)
+    assert math.isnan(predictor_quality([1, 1], [1, 2])[0])
+    h = LengthHistory(window=2, prompt_tokens={1: 100, 2: 200, 3: 300})
+    assert h.predict(1, 2) is None
+    h.observe(1, [100, 120])
+    h.observe(2, [200, 220])
+    assert h.predict(1, 2) == (110, 110)
+    assert h.predict(3, 1) == (310,)  # the prompt-length proxy: a line through (100,110),(200,210)
+    h.observe(1, [300])
+    h.observe(1, [500])
+    assert h.predict(1, 1) == (400,)  # window of 2 observations
+    assert h.predict(99, 1) is not None  # the global mean
+    gs = h.groups([1, 2], 3)
+    assert gs[0] == GroupSpec(1, 3, (400, 400, 400))
