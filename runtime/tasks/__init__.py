@@ -1,0 +1,209 @@
+"""Tasks (prompts + verifiable rewards) and the model a run starts from.
+
+- :func:`build_task` turns ``config.task`` into a :class:`Task`: ``target_length`` (built-in,
+  synthetic), ``gsm8k`` (JSONL math problems) or ``sim`` (simulated backend).
+- :func:`ensure_model` returns the directory (or hub id) of weight version 0. For
+  ``model.path: builtin:tiny`` it builds the tiny Llama and its supervised warm start once, into
+  a cache keyed by everything that changes them.
+- :func:`load_tokenizer` / :func:`encode_prompt`: how every process turns a prompt into token ids,
+  so that the rollout workers and the trainer agree.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Protocol, runtime_checkable
+
+if TYPE_CHECKING:
+    import random
+
+    from runtime.config import Config
+
+log = logging.getLogger(__name__)
+
+BUILTIN_TINY = "builtin:tiny"
+MODEL_BUILD_VERSION = 1
+"""Bump when the tiny model or the warm start changes, so old cache entries are not reused."""
+MARKER_FILE = "asp_tui_model.json"
+"""Written last into a cached model; a directory without it is never used."""
+
+
+@dataclass(frozen=True)
+class TaskPrompt:
+    """One prompt of a task; ``meta`` holds what the reward needs (target, reference answer)."""
+
+    prompt_id: int
+    text: str
+    meta: dict[str, Any]
+
+
+@runtime_checkable
+class Task(Protocol):
+    """A dataset of prompts and a reward function over completions."""
+
+    name: str
+    prompts: Sequence[TaskPrompt]
+
+    def reward(self, prompt: TaskPrompt, completion_text: str) -> float: ...
+
+
+@runtime_checkable
+class SupervisedTask(Task, Protocol):
+    """A task that can also produce (prompt, completion) pairs for the warm start."""
+
+    def sft_examples(self, count: int, rng: random.Random) -> list[tuple[TaskPrompt, str]]: ...
+
+
+def build_task(config: Config) -> Task:
+    """The task that ``config.task`` names."""
+    name = config.task.name
+    if name == "target_length":
+        from runtime.tasks.target_length import TargetLengthTask
+
+        return TargetLengthTask.from_config(config)
+    if name == "gsm8k":
+        from runtime.tasks.gsm8k import Gsm8kTask
+
+        return Gsm8kTask.from_config(config)
+    if name == "sim":
+        # Owned by the sim backend; imported lazily so the real path never needs it.
+        from runtime.tasks.sim_task import build_sim_task
+
+        return build_sim_task(config)
+    raise ValueError(f"task.name: unknown task {name!r} (allowed: target_length, gsm8k, sim)")
+
+
+def default_cache_dir() -> Path:
+    """``$ASP_TUI_CACHE``, else ``runs/.cache`` (relative to the working directory)."""
+    return Path(os.environ.get("ASP_TUI_CACHE") or Path("runs") / ".cache")
+
+
+def model_cache_key(config: Config) -> str:
+    """Hash of everything that changes the built-in model: its shape, the task, the seed."""
+    task = config.task.model_dump(mode="json")
+    for field in ("lengths_trace", "dataset"):
+        # The file's content counts, not only its name.
+        if task.get(field):
+            task[field + "_sha256"] = _file_sha256(task[field])
+    payload = {
+        "version": MODEL_BUILD_VERSION,
+        "tiny": config.model.tiny.model_dump(mode="json"),
+        "task": task,
+        "seed": config.run.seed,
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def _file_sha256(path: str) -> str | None:
+    file = Path(path)
+    if not file.is_file():
+        return None  # build_task reports the missing file with the field's name
+    return hashlib.sha256(file.read_bytes()).hexdigest()
+
+
+ProgressFn = Callable[[int, int, Mapping[str, float]], None]
+"""``progress(step, total, metrics)`` during the warm start."""
+
+
+def ensure_model(
+    config: Config, cache_dir: Path | None = None, progress: ProgressFn | None = None
+) -> str:
+    """The model of weight version 0: a local directory, or the hub id / path as configured.
+
+    ``builtin:tiny`` is built (random init, then ``task.sft_steps`` supervised steps when the task
+    supports it) into ``<cache_dir>/tiny-<key>``. The build happens in a temporary directory that
+    is renamed into place, under a file lock, so concurrent callers build it once and a crash
+    never leaves a half-written model behind.
+    """
+    if config.model.path != BUILTIN_TINY:
+        return config.model.path
+    cache = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    cache.mkdir(parents=True, exist_ok=True)
+    key = model_cache_key(config)
+    final = cache / f"tiny-{key}"
+    if (final / MARKER_FILE).is_file():
+        return str(final)
+    with (cache / f".tiny-{key}.lock").open("w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if (final / MARKER_FILE).is_file():
+            return str(final)  # another process built it while we waited
+        if final.exists():
+            shutil.rmtree(final)  # no marker: left over from an older, interrupted layout
+        tmp = Path(tempfile.mkdtemp(prefix=f".tmp-tiny-{key}-", dir=cache))
+        try:
+            info = _build_builtin(config, tmp, progress)
+            (tmp / MARKER_FILE).write_text(json.dumps(info, indent=2, sort_keys=True))
+            os.rename(tmp, final)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise
+    log.info("built %s into %s", BUILTIN_TINY, final)
+    return str(final)
+
+
+def _build_builtin(config: Config, out_dir: Path, progress: ProgressFn | None) -> dict[str, Any]:
+    from runtime.tasks.tiny_model import build_tiny_model, tiny_model_info
+
+    build_tiny_model(out_dir, config.model.tiny, seed=config.run.seed)
+    info: dict[str, Any] = {
+        "key": model_cache_key(config),
+        "model": tiny_model_info(out_dir),
+        "task": config.task.model_dump(mode="json"),
+        "seed": config.run.seed,
+        "sft": None,
+    }
+    if config.task.sft_steps > 0:
+        task = build_task(config)
+        if isinstance(task, SupervisedTask):
+            from runtime.tasks.sft import warm_start
+
+            info["sft"] = warm_start(out_dir, task, config, progress=progress)
+        else:
+            log.info("task %s has no warm-start data; skipping SFT", task.name)
+    return info
+
+
+def load_tokenizer(model: str):
+    """The tokenizer of a model directory or hub id (``transformers.AutoTokenizer``)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model)
+    if tokenizer.pad_token_id is None:
+        # Instruct models often ship without a pad token; batching needs one.
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def encode_prompt(tokenizer, prompt: TaskPrompt) -> list[int]:
+    """Prompt token ids: the chat template when the tokenizer has one, else plain text (+BOS)."""
+    if getattr(tokenizer, "chat_template", None):
+        ids = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=True
+        )
+        if isinstance(ids, Mapping):  # transformers 5 may return a BatchEncoding
+            ids = ids["input_ids"]
+        return [int(i) for i in ids]
+    return [int(i) for i in tokenizer(prompt.text, add_special_tokens=True)["input_ids"]]
+
+
+__all__ = [
+    "BUILTIN_TINY",
+    "SupervisedTask",
+    "Task",
+    "TaskPrompt",
+    "build_task",
+    "default_cache_dir",
+    "encode_prompt",
+    "ensure_model",
+    "load_tokenizer",
+    "model_cache_key",
+]
