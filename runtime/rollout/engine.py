@@ -1,0 +1,366 @@
+"""A thin adapter over vLLM's ``AsyncLLM``: the only module of the project that imports vLLM.
+
+The rollout worker talks to ``RolloutEngine`` (generate a group, abort, pause, resume, update
+weights) and never to vLLM, so vLLM's churn (its RL APIs changed three times in a year) stays in
+this file. Weight transport sits behind ``WeightSync``: ``FileWeightSync`` reloads a safetensors
+file in place through ``worker_extension_cls``; a GPU transport (vLLM's native weight-transfer
+engine over NCCL) is the second implementation of the same protocol, see ``make_weight_sync``.
+
+Weight versions: the engine labels every output token with the version that sampled it
+(``AsyncLLM.update_weight_version``; outputs carry ``weight_versions`` spans), so a sample that
+lived through an in-flight (``keep``) update reports the exact span ``version_min..version_max``.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, Protocol
+
+import numpy as np
+from vllm import SamplingParams
+from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.sampling_params import RequestOutputKind
+from vllm.v1.engine.async_llm import AsyncLLM
+
+log = logging.getLogger(__name__)
+
+PauseMode = Literal["keep", "wait", "abort"]
+UpdateMode = Literal["boundary", "keep"]
+PAUSE_MODES: tuple[str, ...] = ("keep", "wait", "abort")
+UPDATE_MODES: tuple[str, ...] = ("boundary", "keep")
+
+EXTENSION_CLS = "runtime.rollout.weight_extension.WeightReloadExtension"
+_GIB = 1 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class EngineSpec:
+    """What one rollout engine needs to start; built from the run config by the worker."""
+
+    model: str
+    dtype: str = "float32"
+    max_num_seqs: int = 16
+    kv_cache_gib: float = 1.0
+    seed: int = 0
+    tensor_parallel_size: int = 1
+    max_model_len: int | None = None
+    weight_sync: str = "file"
+    enforce_eager: bool = True
+    """CPU runs eagerly (torch.compile costs minutes on 2 cores); GPUs may turn it off."""
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingSpec:
+    """Sampling of one group: ``n`` samples of the same prompt."""
+
+    n: int
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    seed: int | None = None
+
+
+@dataclass(slots=True)
+class Sample:
+    """One finished completion with its behaviour log-probs and weight-version span."""
+
+    token_ids: np.ndarray
+    """int32, the generated tokens only."""
+    logprobs: np.ndarray
+    """float32, log-prob of each generated token under the sampling distribution."""
+    finish_reason: str
+    """``stop``, ``length`` or ``abort``."""
+    version_min: int
+    version_max: int
+    finished_at: float
+
+
+class WeightSync(Protocol):
+    """Moves one published weight version into a running engine (the engine is paused)."""
+
+    async def load(self, llm: AsyncLLM, version: int, path: str) -> None: ...
+
+
+class FileWeightSync:
+    """Reload a safetensors file in place on every vLLM worker (CPU and GPU, one host)."""
+
+    async def load(self, llm: AsyncLLM, version: int, path: str) -> None:
+        counts = await llm.collective_rpc("reload_weights_from", args=(path,))
+        if not counts or min(counts) == 0:
+            raise RuntimeError(f"weights file {path} held no tensors (per worker: {counts})")
+
+
+def make_weight_sync(method: str) -> WeightSync:
+    """The ``async.weight_sync`` transport.
+
+    ``nccl`` is the seam for GPUs: vLLM's native weight-transfer API
+    (``init_weight_transfer_engine`` once, then per version ``start_weight_update`` ->
+    ``update_weights`` while the trainer broadcasts -> ``finish_weight_update``) implements
+    ``WeightSync.load`` there, with the trainer side in ``runtime/trainer``. It needs CUDA and
+    is not built yet; it is refused here instead of being faked.
+    """
+    if method == "file":
+        return FileWeightSync()
+    if method == "nccl":
+        raise NotImplementedError(
+            "async.weight_sync: 'nccl' needs GPUs and vLLM's weight-transfer engine, which this "
+            "build does not wire up yet; use 'file'"
+        )
+    raise ValueError(f"async.weight_sync: {method!r} is not one of 'file', 'nccl'")
+
+
+@dataclass(slots=True)
+class _Stream:
+    """Progress of one in-flight group."""
+
+    n: int
+    outputs: dict[int, Any] = field(default_factory=dict)
+    finished_at: dict[int, float] = field(default_factory=dict)
+    counted: dict[int, int] = field(default_factory=dict)
+
+
+class RolloutEngine:
+    """One vLLM ``AsyncLLM`` with the operations a rollout worker needs.
+
+    Construct with ``await RolloutEngine.start(spec)`` from the main thread: vLLM starts its
+    engine-core process from the calling thread, and a parent-death signal armed in that child
+    fires when the *thread* that created it ends.
+    """
+
+    def __init__(self, llm: AsyncLLM, spec: EngineSpec, weight_sync: WeightSync) -> None:
+        self._llm = llm
+        self.spec = spec
+        self._weight_sync = weight_sync
+        self.weight_version = 0
+        self.tokens_generated = 0
+        self._streams: dict[str, _Stream] = {}
+        self._paused = False
+
+    @classmethod
+    async def start(cls, spec: EngineSpec, weight_version: int = 0) -> RolloutEngine:
+        weight_sync = make_weight_sync(spec.weight_sync)
+        args = AsyncEngineArgs(
+            model=spec.model,
+            dtype=spec.dtype,  # type: ignore[arg-type]
+            max_num_seqs=spec.max_num_seqs,
+            seed=spec.seed,
+            tensor_parallel_size=spec.tensor_parallel_size,
+            max_model_len=spec.max_model_len,  # type: ignore[arg-type]
+            enforce_eager=spec.enforce_eager,
+            kv_cache_memory_bytes=int(spec.kv_cache_gib * _GIB),
+            # The sampled token's log-prob under the temperature/top-p distribution, which is
+            # what the trainer's importance ratio compares against.
+            logprobs_mode="processed_logprobs",
+            worker_extension_cls=EXTENSION_CLS,
+            disable_log_stats=True,
+        )
+        llm = AsyncLLM.from_engine_args(args)
+        engine = cls(llm, spec, weight_sync)
+        engine.weight_version = weight_version
+        await llm.update_weight_version(str(weight_version))
+        return engine
+
+    # --- state -------------------------------------------------------------------------------
+
+    @property
+    def running_seqs(self) -> int:
+        """Sequences submitted and not finished (running or queued inside vLLM)."""
+        return sum(s.n - len(s.finished_at) for s in self._streams.values())
+
+    @property
+    def paused(self) -> bool:
+        return self._paused
+
+    @property
+    def errored(self) -> bool:
+        return bool(self._llm.errored)
+
+    # --- generation --------------------------------------------------------------------------
+
+    async def generate(
+        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec
+    ) -> list[Sample]:
+        """Generate one group and return its ``n`` samples, in index order.
+
+        An aborted request (``abort``, or ``pause("abort")``) still returns: its samples carry
+        the tokens made so far and ``finish_reason == "abort"``.
+        """
+        params = SamplingParams(
+            n=sampling.n,
+            max_tokens=sampling.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            seed=sampling.seed,
+            logprobs=0,  # only the sampled token's log-prob
+            flat_logprobs=True,  # a few flat lists per request instead of a dict per token
+            detokenize=False,  # rewards decode with the task's tokenizer; no stop strings
+            # CUMULATIVE: each update carries the child's growing token list by reference, so
+            # progress (tokens, per-sample finish time) costs a len() per step.
+            output_kind=RequestOutputKind.CUMULATIVE,
+        )
+        prompt = {"prompt_token_ids": list(map(int, prompt_token_ids))}
+        start_version = self.weight_version
+        stream = _Stream(sampling.n)
+        self._streams[request_id] = stream
+        try:
+            async for output in self._llm.generate(prompt, params, request_id=request_id):
+                now = time.time()
+                for completion in output.outputs:
+                    index = completion.index
+                    stream.outputs[index] = completion
+                    made = len(completion.token_ids)
+                    self.tokens_generated += made - stream.counted.get(index, 0)
+                    stream.counted[index] = made
+                    if completion.finish_reason is not None:
+                        stream.finished_at.setdefault(index, now)
+        finally:
+            del self._streams[request_id]
+        samples = []
+        for index in range(sampling.n):
+            completion = stream.outputs.get(index)
+            finished_at = stream.finished_at.get(index, time.time())
+            samples.append(_to_sample(completion, start_version, self.weight_version, finished_at))
+        return samples
+
+    async def abort(self, request_ids: Iterable[str]) -> None:
+        """Abort requests; their ``generate`` calls return with ``finish_reason == "abort"``."""
+        ids = [rid for rid in request_ids if rid in self._streams]
+        if ids:
+            await self._llm.abort(ids)
+
+    # --- pause, resume, weights --------------------------------------------------------------
+
+    async def pause(self, mode: PauseMode) -> None:
+        """Stop scheduling. ``keep`` freezes in-flight requests, ``wait`` lets them finish,
+        ``abort`` ends them now. Requests submitted while paused queue until ``resume``."""
+        if mode not in PAUSE_MODES:
+            raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
+        # keep: leave the frozen requests' KV alone; the cache is cleared on weight updates.
+        await self._llm.pause_generation(mode=mode, clear_cache=mode != "keep")
+        self._paused = True
+
+    async def resume(self) -> None:
+        await self._llm.resume_generation()
+        self._paused = False
+
+    async def update_weights(self, version: int, path: str, mode: UpdateMode) -> float:
+        """Load weight ``version`` from ``path``; returns the seconds the engine was held.
+
+        ``boundary``: in-flight requests finish on the old weights (vLLM pause ``wait``), then
+        the reload. ``keep``: in-flight requests freeze (pause ``keep``), the reload happens
+        under them, and they continue on the new weights; their KV is dropped so the tokens
+        after the update are computed from the new weights only. Either way the prefix cache is
+        reset, so no later request reuses KV from old weights. Requests submitted meanwhile
+        queue inside vLLM and start on the new weights. On an engine the operator paused, the
+        update applies at once and the engine stays paused.
+        """
+        if mode not in UPDATE_MODES:
+            raise ValueError(f"update mode {mode!r} is not one of {UPDATE_MODES}")
+        held_since = time.perf_counter()
+        was_paused = self._paused
+        if not was_paused:
+            await self._llm.pause_generation(
+                mode="wait" if mode == "boundary" else "keep", clear_cache=True
+            )
+        await self._weight_sync.load(self._llm, version, path)
+        # Preempts any frozen request (recomputed on resume), so the reset cannot be refused.
+        if not await self._llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
+        await self._llm.update_weight_version(str(version))
+        self.weight_version = version
+        if not was_paused:
+            await self._llm.resume_generation()
+        return time.perf_counter() - held_since
+
+    async def call_workers(self, method: str, *args: Any) -> list[Any]:
+        """Run a ``WeightReloadExtension`` method on every vLLM worker (tests, diagnostics)."""
+        return await self._llm.collective_rpc(method, args=args)
+
+    def shutdown(self) -> None:
+        """Stop the engine core and its workers (idempotent)."""
+        self._llm.shutdown()
+
+
+def _to_sample(completion: Any, start_version: int, end_version: int, finished_at: float) -> Sample:
+    """A vLLM ``CompletionOutput`` (or None: aborted before any token) -> ``Sample``."""
+    if completion is None:
+        empty = np.zeros(0, dtype=np.int32)
+        return Sample(empty, np.zeros(0, np.float32), "abort", start_version, start_version, 0.0)
+    token_ids = np.asarray(completion.token_ids, dtype=np.int32)
+    logprobs = _sampled_logprobs(completion.logprobs, completion.token_ids)
+    spans = completion.weight_versions
+    if spans:
+        versions = [int(span.version) for span in spans if span.end > span.start]
+        low, high = (min(versions), max(versions)) if versions else (start_version,) * 2
+    else:
+        # No label (no token made, or the engine did not report one): the versions live
+        # while the request ran are the honest bounds.
+        low, high = start_version, end_version if len(token_ids) else start_version
+    reason = completion.finish_reason or "abort"
+    return Sample(token_ids, logprobs, str(reason), low, high, finished_at)
+
+
+def _sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> np.ndarray:
+    """The log-prob of each sampled token from vLLM's flat or per-position container."""
+    if logprobs is None:
+        raise RuntimeError("vLLM returned no log-probs although logprobs=0 was requested")
+    flat = getattr(logprobs, "logprobs", None)
+    if flat is not None and len(flat) == len(token_ids):
+        # logprobs=0: exactly one entry per position, the sampled token's.
+        return np.asarray(flat, dtype=np.float32)
+    return np.asarray(
+        [position[token].logprob for position, token in zip(logprobs, token_ids, strict=True)],
+        dtype=np.float32,
+    )
+
+
+def bare_llm_tokens_per_s(
+    spec: EngineSpec, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingSpec]
+) -> tuple[int, float]:
+    """Reference throughput: plain ``vllm.LLM.generate`` on ``prompts`` (one group each).
+
+    The engine is configured like ``RolloutEngine.start`` and warmed up on the first prompts
+    before the timed call. Returns ``(tokens generated, seconds)``. Call it from a process that
+    has an ``if __name__ == "__main__"`` guard, with no other engine running.
+    """
+    from vllm import LLM
+
+    llm = LLM(
+        model=spec.model,
+        dtype=spec.dtype,
+        max_num_seqs=spec.max_num_seqs,
+        seed=spec.seed,
+        tensor_parallel_size=spec.tensor_parallel_size,
+        max_model_len=spec.max_model_len,
+        enforce_eager=spec.enforce_eager,
+        kv_cache_memory_bytes=int(spec.kv_cache_gib * _GIB),
+        logprobs_mode="processed_logprobs",
+        disable_log_stats=True,
+    )
+    try:
+        params = [
+            SamplingParams(
+                n=s.n,
+                max_tokens=s.max_tokens,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                seed=s.seed,
+                logprobs=0,
+                flat_logprobs=True,
+                detokenize=False,
+            )
+            for s in sampling
+        ]
+        inputs = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
+        warm = min(len(inputs), 4)
+        llm.generate(inputs[:warm], params[:warm], use_tqdm=False)
+        started = time.perf_counter()
+        outputs = llm.generate(inputs, params, use_tqdm=False)
+        seconds = time.perf_counter() - started
+        return sum(len(c.token_ids) for o in outputs for c in o.outputs), seconds
+    finally:
+        llm.llm_engine.engine_core.shutdown()
+        del llm

@@ -1,0 +1,480 @@
+"""Rollout worker: one process per instance, serving one vLLM engine to the controller over zmq.
+
+``python -m runtime.rollout.worker --run-dir D --instance-id I`` reads the run's config and
+endpoints, connects a DEALER (identity ``instance-<I>``) to the controller's rollout ROUTER,
+starts the engine on weight version 0 and says ``WorkerHello``. Then it heartbeats every
+``rollout.heartbeat_s`` and serves the controller's requests:
+
+- ``Generate``: one group; the finished group goes back as ``GroupDone`` (token ids, behaviour
+  log-probs, version span and reward of every sample) or, if any sample was aborted, as
+  ``GroupAborted``. Groups run concurrently; vLLM schedules up to ``max_num_seqs`` sequences.
+- ``PauseWorker(mode)`` / ``ResumeWorker``: vLLM's own pause (``keep``, ``wait``, ``abort``).
+- ``UpdateWeights(version, path, mode)``: in place, ``boundary`` or ``keep`` (see
+  ``RolloutEngine.update_weights``). Generates that arrive meanwhile wait behind it.
+- ``AbortGroups``: ends those groups with ``GroupAborted``. ``Shutdown``: clean exit.
+
+Control requests run one at a time, in arrival order, and each ends with a ``WorkerAck``.
+Garbage frames are logged and counted (``Heartbeat.rejected_frames``); the worker keeps running.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import logging
+import os
+import signal
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import zmq
+import zmq.asyncio
+
+from runtime.protocol import (
+    AbortGroups,
+    Completion,
+    Encoder,
+    FrameGuard,
+    Generate,
+    GroupAborted,
+    GroupDone,
+    Heartbeat,
+    PauseWorker,
+    ResumeWorker,
+    Shutdown,
+    UpdateWeights,
+    WorkerAck,
+    WorkerHello,
+)
+from runtime.rollout.lifetime import die_with_parent
+
+if __name__ == "__mp_main__":
+    # This module is being re-imported by a process that vLLM spawned from the worker (its
+    # engine core, or that one's model worker): die with the parent. See lifetime.py.
+    die_with_parent()
+
+log = logging.getLogger("runtime.rollout.worker")
+
+RewardFn = Callable[[int, Sequence[int]], float]
+"""``reward(prompt_id, completion_token_ids)``."""
+
+
+class TaskRewarder:
+    """Scores completions with the run's task: decode the tokens, then ``task.reward``."""
+
+    def __init__(self, task: Any, tokenizer: Any) -> None:
+        self._task = task
+        self._tokenizer = tokenizer
+        self._prompts = {prompt.prompt_id: prompt for prompt in task.prompts}
+
+    def __call__(self, prompt_id: int, token_ids: Sequence[int]) -> float:
+        prompt = self._prompts.get(prompt_id)
+        if prompt is None:
+            raise KeyError(f"prompt_id {prompt_id} is not in task {self._task.name!r}")
+        text = self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
+        return float(self._task.reward(prompt, text))
+
+
+class RolloutWorker:
+    """The message loop of one instance; owns the socket, borrows the engine."""
+
+    def __init__(
+        self,
+        instance_id: int,
+        engine: Any,
+        socket: zmq.asyncio.Socket,
+        reward: RewardFn,
+        sampling: Any,
+        heartbeat_s: float,
+    ) -> None:
+        self.instance_id = instance_id
+        self.engine = engine
+        self.socket = socket
+        self.reward = reward
+        self.sampling = sampling
+        self.heartbeat_s = heartbeat_s
+        self.guard = FrameGuard("rollout")
+        self.exit_code = 0
+        self._encoder = Encoder()
+        self._groups: dict[int, asyncio.Task[None]] = {}
+        self._request_ids: dict[int, str] = {}
+        self._aborting: set[int] = set()
+        self._held: list[Generate] = []
+        self._updates_pending = 0
+        self._control = asyncio.Lock()  # FIFO: control requests apply in arrival order
+        self._control_tasks: set[asyncio.Task[None]] = set()
+        self._stop = asyncio.Event()
+        self._request_seq = itertools.count()
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    @property
+    def state(self) -> str:
+        if self._updates_pending:
+            return "syncing"
+        return "paused" if self.engine.paused else "running"
+
+    def stop(self, exit_code: int = 0) -> None:
+        self.exit_code = max(self.exit_code, exit_code)
+        self._stop.set()
+
+    async def run(self) -> int:
+        """Serve until ``Shutdown``, ``stop()`` or a dead engine; returns the exit code."""
+        await self._send(
+            WorkerHello(
+                instance_id=self.instance_id,
+                max_num_seqs=self.engine.spec.max_num_seqs,
+                weight_version=self.engine.weight_version,
+                pid=os.getpid(),
+                backend="vllm",
+            )
+        )
+        log.info(
+            "instance %d ready at weight version %d", self.instance_id, self.engine.weight_version
+        )
+        loops = [asyncio.create_task(self._receive()), asyncio.create_task(self._heartbeat())]
+        try:
+            await self._stop.wait()
+        finally:
+            for task in loops + list(self._control_tasks) + list(self._groups.values()):
+                task.cancel()
+            await asyncio.gather(
+                *loops, *self._control_tasks, *self._groups.values(), return_exceptions=True
+            )
+        return self.exit_code
+
+    async def _send(self, message: Any) -> None:
+        await self.socket.send_multipart(self._encoder.encode(message))
+
+    async def _heartbeat(self) -> None:
+        while True:
+            if self.engine.errored:
+                log.error("the vLLM engine died; exiting so the controller restarts us")
+                self.stop(1)
+                return
+            await self._send(
+                Heartbeat(
+                    instance_id=self.instance_id,
+                    state=self.state,
+                    weight_version=self.engine.weight_version,
+                    running_seqs=self.engine.running_seqs,
+                    tokens_generated=self.engine.tokens_generated,
+                    time=time.time(),
+                    rejected_frames=self.guard.rejected_total,
+                )
+            )
+            await asyncio.sleep(self.heartbeat_s)
+
+    async def _receive(self) -> None:
+        while True:
+            frames = await self.socket.recv_multipart(copy=False)
+            message = self.guard.decode(frames, peer="controller")
+            if message is not None:
+                self._dispatch(message)
+
+    def _dispatch(self, message: Any) -> None:
+        """Route one message; never blocks the receive loop."""
+        if isinstance(message, Generate):
+            if message.group_id in self._groups or any(
+                held.group_id == message.group_id for held in self._held
+            ):
+                log.warning(
+                    "group %d is already here; duplicate Generate ignored", message.group_id
+                )
+            elif self._updates_pending:
+                self._held.append(message)
+            else:
+                self._start_group(message)
+        elif isinstance(message, AbortGroups):
+            self._control_task(self._abort(message))
+        elif isinstance(message, UpdateWeights):
+            # Counted now, not when the task runs, so Generates behind it in the socket wait.
+            self._updates_pending += 1
+            self._control_task(self._update(message))
+        elif isinstance(message, PauseWorker):
+            self._control_task(self._pause(message))
+        elif isinstance(message, ResumeWorker):
+            self._control_task(self._resume())
+        elif isinstance(message, Shutdown):
+            log.info("shutdown requested: %s", message.reason or "no reason given")
+            self.stop(0)
+        else:
+            self.guard.rejected["UnexpectedMessage"] += 1
+            log.warning("ignored %s: not a message for a rollout worker", type(message).__name__)
+
+    def _control_task(self, coro: Any) -> None:
+        task = asyncio.create_task(coro)
+        self._control_tasks.add(task)
+        task.add_done_callback(self._control_tasks.discard)
+
+    async def _ack(self, request: str, ok: bool, detail: str = "") -> None:
+        if not ok:
+            log.warning("%s refused: %s", request, detail)
+        await self._send(
+            WorkerAck(
+                instance_id=self.instance_id,
+                request=request,
+                ok=ok,
+                weight_version=self.engine.weight_version,
+                detail=detail,
+            )
+        )
+
+    # --- control requests --------------------------------------------------------------------
+
+    async def _pause(self, message: PauseWorker) -> None:
+        async with self._control:
+            try:
+                await self.engine.pause(message.mode)
+            except ValueError as exc:
+                await self._ack("pause", False, str(exc))
+            else:
+                await self._ack("pause", True, f"mode {message.mode}")
+
+    async def _resume(self) -> None:
+        async with self._control:
+            await self.engine.resume()
+            await self._ack("resume", True)
+
+    async def _update(self, message: UpdateWeights) -> None:
+        try:
+            async with self._control:
+                ok, detail = await self._apply_update(message)
+        finally:
+            self._updates_pending -= 1
+            if not self._updates_pending:
+                held, self._held = self._held, []
+                for generate in held:
+                    self._start_group(generate)
+        await self._ack("update_weights", ok, detail)
+
+    async def _apply_update(self, message: UpdateWeights) -> tuple[bool, str]:
+        current = self.engine.weight_version
+        if message.version < current:
+            return False, f"version {message.version} is older than the loaded {current}"
+        if message.version == current:
+            return True, f"already at version {current}"
+        if not Path(message.path).is_file():
+            return False, f"weights file {message.path} does not exist"
+        try:
+            held_s = await self.engine.update_weights(message.version, message.path, message.mode)
+        except (ValueError, RuntimeError, OSError) as exc:
+            return False, f"{type(exc).__name__}: {exc}"
+        log.info(
+            "weights v%d -> v%d (%s) from %s; engine held %.3f s",
+            current,
+            message.version,
+            message.mode,
+            message.path,
+            held_s,
+        )
+        return True, f"mode {message.mode}, engine held {held_s:.3f} s"
+
+    async def _abort(self, message: AbortGroups) -> None:
+        async with self._control:
+            unknown = []
+            for group_id in message.group_ids:
+                held = next((g for g in self._held if g.group_id == group_id), None)
+                if held is not None:
+                    self._held.remove(held)
+                    await self._send_aborted(group_id, "aborted before it started")
+                elif group_id in self._request_ids:
+                    self._aborting.add(group_id)
+                    await self.engine.abort([self._request_ids[group_id]])
+                else:
+                    unknown.append(group_id)
+            detail = f"not here (finished or never sent): {unknown}" if unknown else ""
+            await self._ack("abort", True, detail)
+
+    # --- groups ------------------------------------------------------------------------------
+
+    def _start_group(self, message: Generate) -> None:
+        request_id = f"g{message.group_id}-{next(self._request_seq)}"
+        self._request_ids[message.group_id] = request_id
+        task = asyncio.create_task(self._run_group(message, request_id))
+        self._groups[message.group_id] = task
+
+    def _sampling(self, message: Generate) -> Any:
+        from runtime.rollout.engine import SamplingSpec
+
+        seed = message.seed
+        if seed is None and self.sampling.seed is not None:
+            # A configured seed must not make every group of one prompt sample alike; vLLM
+            # gives sample k of a group seed + k, so groups are spaced far apart.
+            seed = (self.sampling.seed * 1_000_003 + message.group_id * 4_099) % (1 << 31)
+        return SamplingSpec(
+            n=message.n,
+            max_tokens=message.max_tokens,
+            temperature=self.sampling.temperature
+            if message.temperature is None
+            else message.temperature,
+            top_p=self.sampling.top_p if message.top_p is None else message.top_p,
+            seed=seed,
+        )
+
+    async def _run_group(self, message: Generate, request_id: str) -> None:
+        group_id = message.group_id
+        started_at = time.time()
+        try:
+            samples = await self.engine.generate(
+                request_id, message.prompt_token_ids.tolist(), self._sampling(message)
+            )
+            if group_id in self._aborting or any(s.finish_reason == "abort" for s in samples):
+                reason = "aborted" if group_id in self._aborting else "aborted by a pause"
+                await self._send_aborted(group_id, reason)
+                return
+            completions = [
+                Completion(
+                    token_ids=sample.token_ids,
+                    logprobs=sample.logprobs,
+                    version_min=sample.version_min,
+                    version_max=sample.version_max,
+                    finish_reason=sample.finish_reason,
+                    reward=self.reward(message.prompt_id, sample.token_ids.tolist()),
+                    finished_at=sample.finished_at,
+                )
+                for sample in samples
+            ]
+            await self._send(
+                GroupDone(
+                    group_id=group_id,
+                    prompt_id=message.prompt_id,
+                    instance_id=self.instance_id,
+                    completions=completions,
+                    started_at=started_at,
+                    finished_at=max(c.finished_at for c in completions),
+                )
+            )
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # one bad group must not take the instance down
+            log.exception("group %d failed", group_id)
+            await self._send_aborted(group_id, f"failed: {type(exc).__name__}: {exc}")
+        finally:
+            self._groups.pop(group_id, None)
+            self._request_ids.pop(group_id, None)
+            self._aborting.discard(group_id)
+
+    async def _send_aborted(self, group_id: int, reason: str) -> None:
+        await self._send(
+            GroupAborted(group_id=group_id, instance_id=self.instance_id, reason=reason)
+        )
+
+
+# --- process entry ---------------------------------------------------------------------------
+
+
+def _log_to(path: Path) -> None:
+    """Send this process's stdout/stderr, and those of vLLM's children, to ``path``."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+    for target in (1, 2):
+        os.dup2(fd, target)
+    os.close(fd)
+    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (lives with the process)
+    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
+    logging.basicConfig(
+        level=logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+        stream=sys.stderr,
+        force=True,
+    )
+
+
+async def serve(run_dir: Path, instance_id: int) -> int:
+    """Start the engine for ``instance_id`` of the run in ``run_dir`` and serve until told."""
+    from runtime.config import ConfigError, read_run_config
+    from runtime.rollout.engine import EngineSpec, RolloutEngine
+    from runtime.rundir import RunDir
+    from runtime.tasks import build_task, ensure_model, load_tokenizer
+
+    config = read_run_config(run_dir)
+    if not 0 <= instance_id < config.num_instances:
+        raise ConfigError(
+            f"--instance-id: {instance_id} is not an instance of this run "
+            f"(rollout.instances has {config.num_instances})"
+        )
+    endpoints = RunDir(run_dir).read_endpoints()
+    instance = config.rollout.instance_list()[instance_id]
+    model = ensure_model(config)
+    task = build_task(config)
+    reward = TaskRewarder(task, load_tokenizer(model))
+
+    context = zmq.asyncio.Context()
+    socket = context.socket(zmq.DEALER)
+    socket.setsockopt(zmq.IDENTITY, b"instance-%d" % instance_id)
+    socket.setsockopt(zmq.LINGER, 1000)
+    socket.connect(endpoints.rollout)
+    engine = None
+    try:
+        started = time.perf_counter()
+        engine = await RolloutEngine.start(
+            EngineSpec(
+                model=model,
+                dtype=config.model.dtype,
+                max_num_seqs=config.rollout.max_num_seqs_of(instance_id),
+                kv_cache_gib=config.rollout.kv_cache_gib,
+                seed=config.run.seed + instance_id,
+                tensor_parallel_size=instance.tensor_parallel_size,
+                weight_sync=config.async_.weight_sync,
+            )
+        )
+        log.info("engine for %s up in %.1f s", model, time.perf_counter() - started)
+        worker = RolloutWorker(
+            instance_id,
+            engine,
+            socket,
+            reward,
+            config.rollout.sampling,
+            config.rollout.heartbeat_s,
+        )
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, worker.stop)
+        return await worker.run()
+    finally:
+        if engine is not None:
+            engine.shutdown()
+        socket.close()
+        context.term()
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m runtime.rollout.worker", description=__doc__)
+    parser.add_argument("--run-dir", required=True, type=Path)
+    parser.add_argument("--instance-id", required=True, type=int)
+    parser.add_argument(
+        "--die-with-parent",
+        action="store_true",
+        help="exit when the process that started this worker dies (for supervisors)",
+    )
+    parser.add_argument(
+        "--log-stdout", action="store_true", help="log to stdout instead of the run's log file"
+    )
+    args = parser.parse_args(argv)
+
+    from runtime.config import ConfigError
+    from runtime.rollout.lifetime import arm_forked_children
+    from runtime.rundir import RunDir
+
+    if args.die_with_parent:
+        die_with_parent()
+    arm_forked_children()
+    if args.log_stdout:
+        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
+    else:
+        _log_to(RunDir(args.run_dir).log_file(f"worker-{args.instance_id}"))
+    try:
+        return asyncio.run(serve(args.run_dir, args.instance_id))
+    except (ConfigError, FileNotFoundError) as exc:
+        log.error("%s", exc)
+        print(f"error: {exc}", file=sys.__stderr__)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
