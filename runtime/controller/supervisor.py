@@ -11,25 +11,17 @@ from __future__ import annotations
 import asyncio
 import atexit
 import contextlib
-import ctypes
 import logging
 import os
 import signal
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from runtime.lifetime import die_with_parent
+
 log = logging.getLogger(__name__)
-
-_PR_SET_PDEATHSIG = 1
-
-
-def _child_setup() -> None:  # runs in the child between fork and exec
-    if sys.platform.startswith("linux"):
-        with contextlib.suppress(Exception):
-            ctypes.CDLL("libc.so.6", use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
 @dataclass
@@ -83,7 +75,7 @@ class Supervisor:
                 stdout=logf,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=_child_setup,
+                preexec_fn=die_with_parent,  # runs in the child between fork and exec
                 cwd=self.cwd,
                 env=self.env,
             )

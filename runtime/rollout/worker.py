@@ -34,6 +34,8 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
+from runtime.controller.sockets import apply_client_curve
+from runtime.lifetime import die_with_parent
 from runtime.protocol import (
     AbortGroups,
     Completion,
@@ -50,7 +52,6 @@ from runtime.protocol import (
     WorkerAck,
     WorkerHello,
 )
-from runtime.rollout.lifetime import die_with_parent
 
 if __name__ == "__mp_main__":
     # This module is being re-imported by a process that vLLM spawned from the worker (its
@@ -408,6 +409,7 @@ async def serve(run_dir: Path, instance_id: int) -> int:
     socket = context.socket(zmq.DEALER)
     socket.setsockopt(zmq.IDENTITY, b"instance-%d" % instance_id)
     socket.setsockopt(zmq.LINGER, 1000)
+    apply_client_curve(socket, endpoints.server_public_key)
     socket.connect(endpoints.rollout)
     engine = None
     try:
@@ -458,7 +460,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
 
     from runtime.config import ConfigError
-    from runtime.rollout.lifetime import arm_forked_children
+    from runtime.lifetime import arm_forked_children
     from runtime.rundir import RunDir
 
     if args.die_with_parent:

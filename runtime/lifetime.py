@@ -1,9 +1,11 @@
-"""Process lifetime: vLLM's engine processes die with the rollout worker that started them.
+"""Process lifetime: children die with the process that started them (PR_SET_PDEATHSIG).
 
-vLLM's ``AsyncLLM`` runs its engine core in a child process, which on CPU starts the model worker
-as a grandchild. The engine core does not watch its parent: if the rollout worker is SIGKILLed,
-it would keep running, holding memory and cores. Linux's ``PR_SET_PDEATHSIG`` asks the kernel to
-signal a process when its parent dies, so every process in the chain arms it for itself:
+The controller arms it for the workers and trainer it supervises; the rollout worker arms it for
+vLLM's engine processes, as follows. vLLM's ``AsyncLLM`` runs its engine core in a child process,
+which on CPU starts the model worker as a grandchild. The engine core does not watch its parent: if
+the rollout worker is SIGKILLed, it would keep running, holding memory and cores. Linux's
+``PR_SET_PDEATHSIG`` asks the kernel to signal a process when its parent dies, so every process in
+the chain arms it for itself:
 
 - spawned children (vLLM's default on CPU) re-import the parent's main module as ``__mp_main__``
   before they run their target; ``runtime.rollout.worker`` calls ``die_with_parent`` there;
