@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 
 from runtime.protocol import BUBBLE_CATEGORIES
-from runtime.scheduler.base import GroupSpec, InstanceSpec
+from runtime.scheduler.base import GroupSpec, InstanceSpec, Scheduler
 from runtime.scheduler.cost_model import CostModel
 from runtime.scheduler.lengths import LengthsFileError, LengthTable, predictor_quality, read_lengths
 from runtime.scheduler.policies import POLICIES, make_scheduler
@@ -214,16 +214,20 @@ def run_plan(args: argparse.Namespace) -> int:
         st = _Setup(args, split=False)
     except (LengthsFileError, ValueError) as e:
         return _fail(str(e))
-    sched = make_scheduler(
-        args.policy,
-        st.groups,
-        st.instances,
-        batch_groups=st.batch_groups,
-        lag_bound=args.lag_bound,
-        cost_model=st.cost,
-        seed=args.seed,
-        dispatch=args.dispatch,
-    )
+
+    def build() -> Scheduler:  # schedulers are stateful: one to list, one to simulate
+        return make_scheduler(
+            args.policy,
+            st.groups,
+            st.instances,
+            batch_groups=st.batch_groups,
+            lag_bound=args.lag_bound,
+            cost_model=st.cost,
+            seed=args.seed,
+            dispatch=args.dispatch,
+        )
+
+    sched = build()
     rows = _plan_rows(sched)
     # Predicted outcome: the plan run against the predicted lengths themselves.
     pred_actual = {
@@ -232,16 +236,7 @@ def run_plan(args: argparse.Namespace) -> int:
         )
         for g in st.groups
     }
-    sim_sched = make_scheduler(
-        args.policy,
-        st.groups,
-        st.instances,
-        batch_groups=st.batch_groups,
-        lag_bound=args.lag_bound,
-        cost_model=st.cost,
-        seed=args.seed,
-        dispatch=args.dispatch,
-    )
+    sim_sched = build()
     res = simulate(
         sim_sched,
         st.groups,
