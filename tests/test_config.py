@@ -44,6 +44,7 @@ def test_malformed_override_is_refused(item: str) -> None:
         ("async.lag_bound=99", "async.lag_bound", "max_lag_bound"),
         ("rollout.instances=[{max_num_seqs: 2}]", "rollout.instances[0].max_num_seqs", "below"),
         ("telemetry.hz=-1", "telemetry.hz", "greater than 0"),
+        ("rollout.backend=sim", "task.name", "use task.name: sim"),
     ],
 )
 def test_errors_name_the_field_the_value_and_what_is_allowed(

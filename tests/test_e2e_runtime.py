@@ -206,16 +206,18 @@ def test_a_paused_instance_gets_no_dispatch_and_works_after_resume(observed: Obs
     assert observed.replies["resume"].ok and observed.resumed_state_seen
     assert not observed.replies["pause_again"].ok
     assert not observed.replies["unknown"].ok and "7" in observed.replies["unknown"].reason
+    # The controller's own clock for the pause window: its command records in metrics.jsonl.
+    commands = [r for r in read_jsonl(observed.run_dir.metrics) if r.get("event") == "command"]
+    paused_at = next(r["time"] for r in commands if r["name"] == "pause_instance" and r["ok"])
+    resumed_at = next(r["time"] for r in commands if r["name"] == "resume_instance" and r["ok"])
+    assert paused_at < observed.pause_acked_at and resumed_at < observed.resume_acked_at
     dispatches = [
         r
         for r in read_jsonl(observed.run_dir.ledger)
         if r.get("event") == "dispatched" and r["instance"] == 0
     ]
-    while_paused = [
-        r for r in dispatches if observed.pause_acked_at < r["time"] < observed.resume_acked_at
-    ]
-    assert not while_paused
-    assert any(r["time"] > observed.resume_acked_at for r in dispatches)
+    assert not [r for r in dispatches if paused_at < r["time"] < resumed_at]
+    assert any(r["time"] > resumed_at for r in dispatches)
 
 
 def test_sigkill_of_a_worker_loses_no_group_and_duplicates_none(observed: Observed) -> None:

@@ -790,7 +790,11 @@ def test_trace_choice_prefers_rollout_sim_lengths_and_falls_back_to_the_sample(
         "split,prompt_id,ref_answer_tokens,out_t0.0,out_t0.3,out_t0.5,out_t0.7\n"
         "train,5,160,115,142,277,220\ntrain,7,49,83,120,101,86\n"
     )
-    both = {"task": {"name": "sim", "lengths_trace": str(SAMPLE)}, "rollout": {"backend": "sim"}}
+    both = {
+        "task": {"name": "sim", "lengths_trace": str(SAMPLE)},
+        "rollout": {"backend": "sim"},
+        "trainer": {"backend": "sim"},
+    }
     task = build_task(
         validate_config(deep_merge(both, {"rollout": {"sim": {"lengths": str(seqsched)}}}))
     )
@@ -803,7 +807,8 @@ def test_trace_choice_prefers_rollout_sim_lengths_and_falls_back_to_the_sample(
     assert len(task.prompts) == 256 and task.source == str(SAMPLE)
     builtin = {
         "task": {"name": "sim", "num_prompts": 5000},
-        "rollout": {"sim": {"lengths": "builtin:castillo-sample"}},
+        "rollout": {"backend": "sim", "sim": {"lengths": "builtin:castillo-sample"}},
+        "trainer": {"backend": "sim"},
     }
     task = build_task(validate_config(builtin))
     assert [p.meta["trace_lengths"] for p in task.prompts] == [lengths for _, lengths in ROWS]
