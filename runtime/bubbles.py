@@ -192,6 +192,10 @@ class BubbleAccountant:
         self.start = now
         self.window_start = now
         self.sorting_baseline = sorting_baseline
+        # The last slot_seconds result, valid while nothing changed: the controller asks for the
+        # rows and the total breakdown at the same instant, and accruing twice is half its cost.
+        self._changes = 0
+        self._rows: tuple[float, str, int, tuple[int, ...], np.ndarray] | None = None
         self._inst: dict[int, _Acc] = {}
         self._gone: dict[int, _Acc] = {}
         for i, c in capacities.items():
@@ -208,6 +212,7 @@ class BubbleAccountant:
         acc = self._gone.pop(instance_id, None) or _Acc(capacity, now)
         acc.capacity, acc.since, acc.active, acc.cause = capacity, now, 0, "idle"
         self._inst[instance_id] = acc
+        self._changes += 1
 
     def remove_instance(self, instance_id: int, now: float) -> None:
         """Stop accruing an instance (its capacity leaves the bar); its past time is kept."""
@@ -215,6 +220,7 @@ class BubbleAccountant:
         if acc is not None:
             acc.accrue(now)
             self._gone[instance_id] = acc
+            self._changes += 1
 
     def update(self, instance_id: int, now: float, *, active: int, cause: str) -> None:
         """From ``now`` on, ``active`` slots are useful and the rest are charged to ``cause``
@@ -228,6 +234,7 @@ class BubbleAccountant:
             return  # the same piece continues
         acc.accrue(now)
         acc.active, acc.cause = active, cause
+        self._changes += 1
 
     def trainer_update(self, now: float, condition: str) -> None:
         if condition not in _TIDX:
@@ -244,18 +251,41 @@ class BubbleAccountant:
             self._ttotal[_TIDX[self._tcond]] += dt
         self._tsince = max(self._tsince, now)
 
-    def _breakdown(self, now: float, which: str, seconds: float) -> Breakdown:
+    def slot_seconds(self, now: float, which: str = "total") -> tuple[tuple[int, ...], np.ndarray]:
+        """Accrue to ``now``; then (instance ids, slot-seconds): one row per instance ever
+        accounted (removed ones keep theirs), one column per ``BUBBLE_CATEGORIES`` entry, since
+        the start (``which="total"``) or in the current window (``"win"``).
+
+        The raw numbers behind every ``Breakdown``, without building per-instance dicts: the
+        controller samples this at the telemetry rate. Rows are in accounting order (removed
+        instances first), not sorted; the ids say which row is which. The rows are read-only:
+        a second call at the same ``now`` with nothing changed in between returns the same."""
+        if which not in ("total", "win"):
+            raise ValueError(f"which: {which!r} is not one of total, win")
+        cached = self._rows
+        if cached is not None and cached[:3] == (now, which, self._changes):
+            return cached[3], cached[4]
         for acc in self._inst.values():
             acc.accrue(now)
+        accs = [*self._gone.items(), *self._inst.items()]
+        rows = np.array([getattr(a, which) for _, a in accs], dtype=float)
+        rows = rows.reshape(len(accs), len(BUBBLE_CATEGORIES))
+        rows.flags.writeable = False
+        ids = tuple(i for i, _ in accs)
+        self._rows = (now, which, self._changes, ids, rows)
+        return ids, rows
+
+    def _breakdown(
+        self, now: float, which: str, seconds: float, per_instance: bool = True
+    ) -> Breakdown:
+        ids, rows = self.slot_seconds(now, which)
         self._taccrue(now)
-        accs = {**self._gone, **self._inst}
-        vecs = {i: np.asarray(getattr(a, which)) for i, a in accs.items()}
-        tot = np.sum(list(vecs.values()), axis=0) if vecs else np.zeros(len(BUBBLE_CATEGORIES))
+        tot = rows.sum(axis=0)
         s = float(tot.sum())
         fr = _fractions(tot)
         if self.sorting_baseline is not None:
             fr = excess_sorting(fr, self.sorting_baseline)
-        per = {i: _fractions(v) for i, v in sorted(vecs.items()) if v.sum() > 0}
+        per = _per_instance(ids, rows) if per_instance else {}
         tv = self._twin if which == "win" else self._ttotal
         tsum = float(tv.sum())
         trainer = {
@@ -263,18 +293,31 @@ class BubbleAccountant:
         }
         return Breakdown(fr, per, trainer, seconds, self.sorting_baseline, s)
 
-    def window(self, now: float) -> Breakdown:
-        """The breakdown since the last ``window`` call (or the start); then resets the window."""
-        b = self._breakdown(now, "win", now - self.window_start)
+    def window(self, now: float, *, per_instance: bool = True) -> Breakdown:
+        """The breakdown since the last ``window`` call (or the start); then resets the window.
+        ``per_instance=False`` leaves ``Breakdown.per_instance`` empty (cheaper)."""
+        b = self._breakdown(now, "win", now - self.window_start, per_instance)
         for acc in [*self._inst.values(), *self._gone.values()]:
             acc.win = [0.0] * len(BUBBLE_CATEGORIES)
         self._twin[:] = 0
         self.window_start = now
+        self._changes += 1
         return b
 
-    def total(self, now: float) -> Breakdown:
-        """The breakdown since the start."""
-        return self._breakdown(now, "total", now - self.start)
+    def total(self, now: float, *, per_instance: bool = True) -> Breakdown:
+        """The breakdown since the start. ``per_instance=False`` leaves
+        ``Breakdown.per_instance`` empty (cheaper)."""
+        return self._breakdown(now, "total", now - self.start, per_instance)
+
+
+def _per_instance(ids: tuple[int, ...], rows: np.ndarray) -> dict[int, dict[str, float]]:
+    """Per-instance shares of the rows with any slot-time, sorted by id: one vectorised
+    division instead of a dict comprehension over numpy scalars per instance."""
+    sums = rows.sum(axis=1)
+    live = np.flatnonzero(sums > 0)
+    shares = (rows[live] / sums[live, None]).tolist()
+    out = {ids[k]: row for k, row in zip(live.tolist(), shares, strict=True)}
+    return {i: dict(zip(BUBBLE_CATEGORIES, out[i], strict=True)) for i in sorted(out)}
 
 
 def _fractions(v: np.ndarray) -> dict[str, float]:

@@ -10,12 +10,14 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import os
 import signal
 import sys
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -63,6 +65,16 @@ class QueuedResult:
     epoch: int
     version_min: int
     version_max: int
+
+
+@dataclass
+class _EpochPlan:
+    """An epoch to plan: its groups, the lag bound it is planned for, and the planning call."""
+
+    epoch: int
+    groups: list[Any]
+    lag_bound: int
+    make: Callable[[], Any]
 
 
 class Controller:
@@ -117,6 +129,9 @@ class Controller:
         self.queue: dict[int, QueuedResult] = {}
         self.retry: deque[tuple[int, int]] = deque()
         self.scheduler: Any = None
+        # The next epoch's plan while it is built off the loop, and once built (not yet current).
+        self._planning: asyncio.Task | None = None
+        self._planned: tuple[_EpochPlan, Any] | None = None
         self.lengths: Any = None
         self.prompts: dict[int, Any] = {}
         self.prompt_tokens: dict[int, np.ndarray] = {}
@@ -153,12 +168,7 @@ class Controller:
         self.accountant = BubbleAccountant(
             {i: inst.max_num_seqs for i, inst in self.instances.items()}, now
         )
-        self.windows = BubbleWindows(
-            self.accountant,
-            cfg.telemetry.window_s,
-            now,
-            lambda i: self.instances[i].max_num_seqs if i in self.instances else 1,
-        )
+        self.windows = BubbleWindows(self.accountant, cfg.telemetry.window_s, now)
         self._window: dict[str, float] = {}
         self._shares: dict[int, float] = {}
         self._total: dict[str, float] = {}
@@ -298,6 +308,14 @@ class Controller:
         self.weights_path[0] = self.model_path
 
     def _new_epoch(self, epoch: int, skip: set[int] | None = None) -> None:
+        """Plan ``epoch`` and make it current, blocking (start-up, and when no loop runs)."""
+        plan = self._epoch_plan(epoch, skip)
+        self._install_epoch(plan, plan.make())
+
+    def _epoch_plan(self, epoch: int, skip: set[int] | None = None) -> _EpochPlan:
+        """What planning ``epoch`` needs, read on the loop now. ``make`` touches nothing of the
+        controller's (fresh group and instance lists, immutable lengths), so it may run in a
+        thread while the loop goes on serving the current epoch."""
         from runtime.scheduler import InstanceSpec, make_scheduler
 
         cfg = self.config
@@ -306,29 +324,85 @@ class Controller:
             epoch, ids = epoch + 1, list(self.prompts)
             self.consumed_prompts.clear()
         groups = self.lengths.groups(ids, self.n)
-        # Predictor quality is reported per epoch: what was predicted vs. what came.
-        self._predicted_mean = {
-            g.prompt_id: float(np.mean(g.predicted_lengths)) for g in groups if g.predicted_lengths
-        }
-        self._observed_pairs: list[tuple[float, float]] = []
         specs = [InstanceSpec(i, inst.max_num_seqs) for i, inst in self.instances.items()]
-        self.scheduler = make_scheduler(
+        bound = self.governor.admission_bound
+        make = functools.partial(
+            make_scheduler,
             cfg.scheduler.policy,
             groups,
             specs,
             batch_groups=self.B,
-            lag_bound=self.governor.admission_bound,
+            lag_bound=bound,
             seed=cfg.run.seed + epoch,
+            dispatch=cfg.scheduler.dispatch,
         )
+        return _EpochPlan(epoch, groups, bound, make)
+
+    def _install_epoch(self, plan: _EpochPlan, scheduler: Any) -> None:
+        """Make ``scheduler`` (``plan``'s) current, told what changed since it was planned."""
+        # Predictor quality is reported per epoch: what was predicted vs. what came.
+        self._predicted_mean = {
+            g.prompt_id: float(np.mean(g.predicted_lengths))
+            for g in plan.groups
+            if g.predicted_lengths
+        }
+        self._observed_pairs: list[tuple[float, float]] = []
+        self.scheduler = scheduler
         for i, inst in self.instances.items():
             if inst.lost_by_scheduler:
                 self.scheduler.on_instance_lost(i)
             elif inst.operator_paused:
                 self.scheduler.on_instance_paused(i)
-        if epoch != self.epoch:
+        if self.governor.admission_bound != plan.lag_bound:
+            self.scheduler.set_lag_bound(self.governor.admission_bound)
+        if plan.epoch != self.epoch:
             self.consumed_prompts.clear()
-        self.epoch = epoch
-        log.info("epoch %d: %d groups scheduled (%s)", epoch, len(ids), cfg.scheduler.policy)
+        self.epoch = plan.epoch
+        log.info(
+            "epoch %d: %d groups scheduled (%s)",
+            plan.epoch,
+            len(plan.groups),
+            self.config.scheduler.policy,
+        )
+
+    def _roll_over(self) -> bool:
+        """The current epoch is handed out: install the next one if it is planned (True), else
+        start planning it off the loop (asp takes seconds for 14k groups; the loop must keep
+        serving heartbeats, results and the trainer meanwhile). Until it is installed the
+        instances get no new work; nothing is dispatched from a half-built scheduler."""
+        if self._planned is not None:
+            plan, scheduler = self._planned
+            self._planned = None
+            self._install_epoch(plan, scheduler)
+            return True
+        if self._planning is not None:
+            return False
+        try:
+            asyncio.get_running_loop()
+        except RuntimeError:  # called outside the loop (tests driving the controller directly)
+            self._new_epoch(self.epoch + 1)
+            return True
+        self._planning = asyncio.create_task(
+            self._plan_in_thread(self._epoch_plan(self.epoch + 1)), name="plan-epoch"
+        )
+        self._tasks.append(self._planning)
+        return False
+
+    async def _plan_in_thread(self, plan: _EpochPlan) -> None:
+        started = time.perf_counter()
+        try:
+            scheduler = await asyncio.get_running_loop().run_in_executor(None, plan.make)
+        except Exception as exc:
+            log.exception("planning epoch %d failed", plan.epoch)
+            self._event("run", f"planning epoch {plan.epoch} failed: {exc}", error=str(exc))
+            self.request_stop(f"planning epoch {plan.epoch} failed", code=1)
+            return
+        finally:
+            self._planning = None
+        log.info("epoch %d planned in %.2fs", plan.epoch, time.perf_counter() - started)
+        if not self.stopping:
+            self._planned = (plan, scheduler)
+            self._after_change()  # installs it as soon as the current epoch has nothing left
 
     async def _spawn_children(self) -> None:
         cfg = self.config
@@ -687,8 +761,7 @@ class Controller:
             out.append(self.retry.popleft())
         if len(out) < k:
             out += [(p, self.epoch) for p in self.scheduler.next_groups(i, k - len(out))]
-        if not out and self.scheduler.remaining() == 0:
-            self._new_epoch(self.epoch + 1)
+        if not out and self.scheduler.remaining() == 0 and self._roll_over():
             out = [(p, self.epoch) for p in self.scheduler.next_groups(i, k)]
         return out
 
@@ -737,6 +810,11 @@ class Controller:
             prompt=prompt_id,
             reason=reason,
         )
+
+    def _discard_queued(self, gid: int, reason: str) -> None:
+        result = self.queue.get(gid)
+        if result is not None:
+            self._discard(gid, result.done.prompt_id, result.epoch, reason)
 
     def _abort(self, gid: int, reason: str) -> None:
         """The governor gave up on an in-flight group: stop it on its instance, re-queue it."""
@@ -992,14 +1070,7 @@ class Controller:
                 self._release_paused(plan.waiting_for)
             return
         for gid in plan.discarded:
-            result = self.queue.get(gid)
-            if result is not None:
-                self._discard(
-                    gid,
-                    result.done.prompt_id,
-                    result.epoch,
-                    f"more than B groups due at v{plan.version}",
-                )
+            self._discard_queued(gid, f"more than B groups due at v{plan.version}")
         for gid in plan.aborted:
             self._abort(gid, f"more than B groups due at v{plan.version}")
         groups = []
@@ -1200,14 +1271,7 @@ class Controller:
         for gid in change.aborted:
             self._abort(gid, f"lag bound lowered to {value} (abort)")
         for gid in change.discarded:
-            result = self.queue.get(gid)
-            if result is not None:
-                self._discard(
-                    gid,
-                    result.done.prompt_id,
-                    result.epoch,
-                    f"lag bound lowered to {value} (abort)",
-                )
+            self._discard_queued(gid, f"lag bound lowered to {value} (abort)")
         if self.scheduler is not None:
             self.scheduler.set_lag_bound(self.governor.admission_bound)
         self._save_state()
@@ -1293,6 +1357,7 @@ class Controller:
     async def _tick_loop(self) -> None:
         period = 1.0 / self.config.telemetry.hz
         last_state = 0.0
+        deadline = time.monotonic()
         while True:
             now = time.time()
             self._check_heartbeats(now)
@@ -1301,7 +1366,14 @@ class Controller:
             if now - last_state >= 1.0:
                 self._save_state()
                 last_state = now
-            await asyncio.sleep(period)
+            # A fixed schedule, not a fixed pause: the tick's own work and a busy loop would
+            # otherwise slow snapshots below telemetry.hz. More than a period behind, it
+            # restarts the schedule rather than bursting to catch up.
+            deadline += period
+            late = time.monotonic() - deadline
+            if late > period:
+                deadline += late
+            await asyncio.sleep(max(0.0, deadline - time.monotonic()))
 
     def _check_heartbeats(self, now: float) -> None:
         rcfg = self.config.rollout

@@ -6,13 +6,13 @@ from __future__ import annotations
 import logging
 from collections import deque
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 import msgspec
 import numpy as np
 import zmq
 
-from runtime.bubbles import Breakdown, BubbleAccountant
+from runtime.bubbles import Breakdown, BubbleAccountant, excess_sorting
 from runtime.protocol import (
     BUBBLE_CATEGORIES,
     TOPIC_EVENT,
@@ -77,17 +77,23 @@ class Telemetry:
         }
 
 
-def _absolute(b: Breakdown) -> np.ndarray:
-    """Slot-seconds per category (the fractions times the slot-time they are shares of)."""
-    return np.array([b.fractions.get(c, 0.0) for c in BUBBLE_CATEGORIES]) * b.slot_seconds
+class _Sample(NamedTuple):
+    """The accountant's slot-seconds since the start, at ``time``."""
+
+    time: float
+    ids: tuple[int, ...]
+    rows: np.ndarray  # one row per id, one column per category
+    total: np.ndarray  # the column sums
 
 
 class BubbleWindows:
     """Rolling-window and per-interval breakdowns as differences of the accountant's totals.
 
     ``BubbleAccountant.window`` resets on every call, so the controller never uses it; instead it
-    samples ``total`` and subtracts, which gives any number of independent windows (the
-    snapshot's last ``window_s`` seconds, and each trainer step's interval).
+    samples the raw slot-seconds (``BubbleAccountant.slot_seconds``) and subtracts, which gives
+    any number of independent windows (the snapshot's last ``window_s`` seconds, and each
+    trainer step's interval). Everything per instance is a numpy row, so a tick with 256
+    instances builds no per-instance dicts but the one of shares the snapshot carries.
     """
 
     def __init__(
@@ -95,43 +101,62 @@ class BubbleWindows:
         accountant: BubbleAccountant,
         window_s: float,
         now: float,
-        capacity_of: Callable[[int], int],
+        capacity_of: Callable[[int], int] | None = None,
     ) -> None:
+        # capacity_of is accepted for older callers and unused: the accountant's rows are
+        # slot-seconds already, so no fraction has to be scaled back by a capacity.
+        del capacity_of
         self.accountant = accountant
-        self.capacity_of = capacity_of
         self.window_s = window_s
-        self.samples: deque[tuple[float, np.ndarray, dict[int, np.ndarray]]] = deque()
+        self.samples: deque[_Sample] = deque()
         self._step_mark = self._sample(now)
 
-    def _sample(self, now: float) -> tuple[float, np.ndarray, dict[int, np.ndarray]]:
-        total = self.accountant.total(now)
-        per = {}
-        for i, fr in total.per_instance.items():
-            cap = self.capacity_of(i)
-            per[i] = np.array([fr.get(c, 0.0) for c in BUBBLE_CATEGORIES]) * cap * total.seconds
-        return now, _absolute(total), per
+    def _sample(self, now: float) -> _Sample:
+        ids, rows = self.accountant.slot_seconds(now)
+        return _Sample(now, ids, rows, rows.sum(axis=0))
+
+    def _window_fractions(self, vec: np.ndarray) -> dict[str, float]:
+        frac = _fractions(vec)
+        baseline = self.accountant.sorting_baseline
+        return frac if baseline is None else excess_sorting(frac, baseline)
 
     def tick(self, now: float) -> tuple[dict[str, float], dict[int, float], Breakdown]:
-        """(window fractions, per-instance bubble share in the window, the total breakdown)."""
+        """(window fractions, per-instance bubble share in the window, the total breakdown).
+
+        The total breakdown has no ``per_instance`` (the snapshot does not carry it)."""
         sample = self._sample(now)
         self.samples.append(sample)
-        while len(self.samples) > 2 and self.samples[1][0] <= now - self.window_s:
+        while len(self.samples) > 2 and self.samples[1].time <= now - self.window_s:
             self.samples.popleft()
-        _, first_abs, first_per = self.samples[0]
-        frac = _fractions(sample[1] - first_abs)
-        shares = {}
-        for i, vec in sample[2].items():
-            diff = vec - first_per.get(i, np.zeros(len(BUBBLE_CATEGORIES)))
-            total = float(diff.sum())
-            shares[i] = float(1.0 - diff[0] / total) if total > 0 else 0.0
-        return frac, shares, self.accountant.total(now)
+        first = self.samples[0]
+        frac = self._window_fractions(sample.total - first.total)
+        diff = sample.rows - _aligned(first, sample.ids)
+        slot = diff.sum(axis=1)
+        live = slot > 0
+        share = np.zeros(len(sample.ids))
+        share[live] = 1.0 - diff[live, 0] / slot[live]
+        shares = dict(zip(sample.ids, share.tolist(), strict=True))
+        return frac, shares, self.accountant.total(now, per_instance=False)
 
     def step_interval(self, now: float) -> dict[str, float]:
         """Fractions since the previous call (one trainer step's interval)."""
         sample = self._sample(now)
-        frac = _fractions(sample[1] - self._step_mark[1])
+        frac = self._window_fractions(sample.total - self._step_mark.total)
         self._step_mark = sample
         return frac
+
+
+def _aligned(sample: _Sample, ids: tuple[int, ...]) -> np.ndarray:
+    """``sample``'s rows in the order of ``ids`` (zeros for an id it does not have)."""
+    if sample.ids == ids:
+        return sample.rows  # the usual case: the same instances in the same order
+    where = {i: k for k, i in enumerate(sample.ids)}
+    out = np.zeros((len(ids), len(BUBBLE_CATEGORIES)))
+    for k, i in enumerate(ids):
+        j = where.get(i)
+        if j is not None:
+            out[k] = sample.rows[j]
+    return out
 
 
 def _fractions(vec: np.ndarray) -> dict[str, float]:
