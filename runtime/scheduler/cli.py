@@ -17,6 +17,7 @@ import csv
 import json
 import math
 import sys
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 
@@ -31,24 +32,23 @@ from runtime.scheduler.policies import POLICIES, make_scheduler
 EXIT_USAGE = 2
 
 
-def _positive(value: str) -> int:
-    try:
-        v = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if v < 1:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 1")
-    return v
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """An argparse type: an integer >= ``minimum``, with a message that says so."""
+
+    def parse(value: str) -> int:
+        try:
+            v = int(value)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
+        if v < minimum:
+            raise argparse.ArgumentTypeError(f"{value} must be >= {minimum}")
+        return v
+
+    return parse
 
 
-def _nonneg(value: str) -> int:
-    try:
-        v = int(value)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{value!r} is not an integer") from None
-    if v < 0:
-        raise argparse.ArgumentTypeError(f"{value} must be >= 0")
-    return v
+_positive = _int_at_least(1)
+_nonneg = _int_at_least(0)
 
 
 def _common(p: argparse.ArgumentParser) -> None:
