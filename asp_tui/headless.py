@@ -48,11 +48,11 @@ def run_headless(config: Config) -> int:
     console.print(f"run [bold]{config.run.name}[/] in {run_dir.root}")
     prepare_model_with_status(config, console)
     process = start_controller(run_dir)
-    total = config.trainer.steps
+    printer = _RecordPrinter(run_dir, config.trainer.steps, console)
     try:
         with console.status("starting the controller, rollout instances and trainer"):
             wait_for_endpoints(run_dir, process)
-        _follow(run_dir, process, total, console)
+        printer.follow(process)
     except KeyboardInterrupt:
         console.print("stopping: waiting for the final checkpoint and every process to exit")
         request_stop(process)
@@ -62,6 +62,8 @@ def run_headless(config: Config) -> int:
         request_stop(process)
         _wait_quietly(process)
         return 1
+    # Steps the trainer finished while we were stopping still belong on the screen.
+    printer.print_new(console)
     code = process.returncode or 0
     if code == 0:
         console.print(f"done: metrics in {run_dir.metrics}")
@@ -76,27 +78,43 @@ def prepare_model_with_status(config: Config, console: Console) -> None:
     console.print(f"model: {model}")
 
 
-def _follow(run_dir: RunDir, process: Any, total: int, console: Console) -> None:
-    tail = JsonlTail(run_dir.metrics)
-    columns = (
-        TextColumn("[bold]training"),
-        BarColumn(),
-        MofNCompleteColumn(),
-        TimeElapsedColumn(),
-    )
-    with Progress(*columns, console=console, transient=False) as progress:
-        task = progress.add_task("steps", total=total)
-        while True:
-            exited = process.poll() is not None
-            for record in tail.read():
-                if record.get("event") == "step":
-                    progress.console.print(format_step(record, total), soft_wrap=True)
-                    progress.update(task, completed=record["step"])
-                elif record.get("event") in _EVENTS_SHOWN:
-                    progress.console.print(format_event(record), style="dim", soft_wrap=True)
-            if exited:
-                return
-            time.sleep(0.25)
+class _RecordPrinter:
+    """Prints each new step and event record of ``metrics.jsonl`` once."""
+
+    def __init__(self, run_dir: RunDir, total_steps: int, console: Console) -> None:
+        self._tail = JsonlTail(run_dir.metrics)
+        self._total = total_steps
+        self._console = console
+
+    def follow(self, process: Any) -> None:
+        """Print records under a progress bar until the controller exits."""
+        columns = (
+            TextColumn("[bold]training"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+        )
+        with Progress(*columns, console=self._console, transient=False) as progress:
+            task = progress.add_task("steps", total=self._total)
+            while True:
+                exited = process.poll() is not None
+                last_step = self.print_new(progress.console)
+                if last_step is not None:
+                    progress.update(task, completed=last_step)
+                if exited:
+                    return
+                time.sleep(0.25)
+
+    def print_new(self, console: Console) -> int | None:
+        """Print the records written since the last call; return the last step seen."""
+        last_step = None
+        for record in self._tail.read():
+            if record.get("event") == "step":
+                console.print(format_step(record, self._total), soft_wrap=True)
+                last_step = record["step"]
+            elif record.get("event") in _EVENTS_SHOWN:
+                console.print(format_event(record), style="dim", soft_wrap=True)
+        return last_step
 
 
 def _wait_quietly(process: Any) -> None:
