@@ -74,6 +74,10 @@ class GroupEntry:
         return (self.start_version, self.completed_seq, self.group_id)
 
 
+def _oldest_first(g: GroupEntry) -> tuple[int, int, int]:
+    return g.sort_key
+
+
 @dataclass(frozen=True)
 class BatchPlan:
     """The answer to "what does the trainer get now?".
@@ -217,24 +221,34 @@ class LagGovernor:
     # --- admission ------------------------------------------------------------------------------
     def admissible(self, instance_version: int) -> int:
         """How many groups may be admitted now to an instance at ``instance_version``."""
-        if self.refusal(instance_version) is not None:
+        if self._refused(instance_version) is not None:
             return 0
-        limit = (self.version + self.admission_bound + 1) * self.batch_groups
-        return max(0, limit - self.admitted_live)
+        return max(0, self._admission_limit() - self.admitted_live)
 
     def refusal(self, instance_version: int) -> str | None:
         """Why a group may not be admitted to an instance at ``instance_version`` (None: it may)."""
+        kind = self._refused(instance_version)
         eta = self.admission_bound
-        if instance_version + eta < self.next_consume_version:
+        if kind == "stale":
             return (
                 f"instance weights v{instance_version} are too old: the next step consumes at "
                 f"v{self.next_consume_version} with lag bound {eta}"
             )
-        limit = (self.version + eta + 1) * self.batch_groups
-        if self.admitted_live >= limit:
+        if kind == "full":
             return (
                 f"admission full: {self.admitted_live} admitted >= (v{self.version} + {eta} + 1)·B"
             )
+        return None
+
+    def _admission_limit(self) -> int:
+        return (self.version + self.admission_bound + 1) * self.batch_groups
+
+    def _refused(self, instance_version: int) -> str | None:
+        # The dispatcher asks this for every instance after every message: no string building.
+        if instance_version + self.admission_bound < self.next_consume_version:
+            return "stale"
+        if self.admitted_live >= self._admission_limit():
+            return "full"
         return None
 
     def admit(self, group_id: int, prompt_id: int, start_version: int) -> None:
@@ -307,13 +321,14 @@ class LagGovernor:
         if self.outstanding:
             raise RuntimeError(f"a batch for v{self.version} is already out")
         s, eta, b = self.version, self._bound, self.batch_groups
-        open_groups = sorted(self._open(), key=lambda g: g.sort_key)
+        # This runs after every message: count first, and sort only what a batch takes.
+        open_groups = list(self._open())
         mandatory = [g for g in open_groups if g.start_version <= s - eta]
-        completed = [g for g in open_groups if g.status == COMPLETED]
         waiting = tuple(g.group_id for g in mandatory if g.status == IN_FLIGHT)
         discard: list[GroupEntry] = []
         abort: list[GroupEntry] = []
         if len(mandatory) > b:
+            mandatory.sort(key=_oldest_first)
             done = [g for g in mandatory if g.status == COMPLETED]
             if len(done) < b:
                 return BatchPlan(
@@ -335,10 +350,11 @@ class LagGovernor:
                 waiting_for=waiting,
                 detail=f"waiting for {len(waiting)} group(s) that would exceed lag bound {eta}",
             )
-        elif len(completed) < b:
-            return BatchPlan("starved", s, detail=f"{len(completed)} of {b} groups ready")
         else:
-            batch = completed[:b]
+            completed = [g for g in open_groups if g.status == COMPLETED]
+            if len(completed) < b:
+                return BatchPlan("starved", s, detail=f"{len(completed)} of {b} groups ready")
+            batch = sorted(completed, key=_oldest_first)[:b]
         plan = BatchPlan(
             "ready",
             s,
@@ -427,7 +443,7 @@ class LagGovernor:
         return True
 
     def open_groups(self) -> list[GroupEntry]:
-        return sorted(self._open(), key=lambda g: g.sort_key)
+        return sorted(self._open(), key=_oldest_first)
 
 
 @dataclass

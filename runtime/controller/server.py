@@ -734,13 +734,19 @@ class Controller:
         # work the scheduler re-queued onto any of them is not starved.
         n = max(1, len(self.instances))
         ready.sort(key=lambda x: (len(x.in_flight), (x.instance_id - self._rr) % n))
+        # One refusal text per weight version and pass: formatting one for each of hundreds of
+        # blocked instances after every message cost more than the dispatch itself.
+        refusals: dict[int, str] = {}
         while ready:
             still = []
             for inst in ready:
                 free = inst.concurrency - len(inst.in_flight)
                 allowed = self.governor.admissible(inst.weight_version)
                 if allowed <= 0:
-                    inst.blocked = self.governor.refusal(inst.weight_version) or "admission"
+                    v = inst.weight_version
+                    if v not in refusals:
+                        refusals[v] = self.governor.refusal(v) or "admission"
+                    inst.blocked = refusals[v]
                     continue
                 # minibatch mode: the scheduler's whole minibatch (never past its boundary)
                 picks = self._next_prompts(
@@ -1111,6 +1117,7 @@ class Controller:
     def _release_paused(self, group_ids: tuple[int, ...]) -> None:
         """Groups the trainer must have, frozen on an operator-paused instance, would stall the
         run until resume: abort them there and regenerate them elsewhere."""
+        released = False
         for inst in self.instances.values():
             if not inst.operator_paused:
                 continue
@@ -1124,7 +1131,8 @@ class Controller:
                     self._abort(
                         gid, f"needed by the trainer; instance {inst.instance_id} is paused"
                     )
-        if group_ids:
+                    released = True
+        if released:
             self._dispatch()
 
     def _on_step_done(self, msg: P.StepDone, now: float) -> None:
@@ -1329,10 +1337,11 @@ class Controller:
             pending += len(self.retry)
             blocked = inst.blocked
             admission_open = not blocked or blocked in ("no work", "minibatch barrier")
+            active = inst.active_slots()
             cause = free_slot_cause(
                 state=state,
                 pending=pending if state == "running" else 0,
-                running=inst.active_slots(),
+                running=active,
                 admission_open=admission_open,
                 work_elsewhere=working - (1 if inst.in_flight else 0) > 0,
                 trainer_condition=cond,
@@ -1340,7 +1349,7 @@ class Controller:
             )
             if inst.state == STARTING and inst.restarts == 0:
                 cause = "idle"  # first start-up: nothing was lost yet
-            self.accountant.update(i, now, active=inst.active_slots(), cause=cause)
+            self.accountant.update(i, now, active=active, cause=cause)
         self.accountant.trainer_update(
             now, cond if cond in ("stepping", "starved", "lag_wait") else "idle"
         )
