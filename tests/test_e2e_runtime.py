@@ -236,6 +236,10 @@ def test_garbage_on_every_socket_is_counted_and_ignored(observed: Observed) -> N
     assert observed.replies["stop"].ok  # the controller still answered afterwards
 
 
+def _default_sigint() -> None:
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def test_headless_cli_ctrl_c_stops_cleanly(tmp_path: Path) -> None:
     """``asp-tui run --headless`` then SIGINT, as a Ctrl-C in the terminal would send. The sim
     backend stands in for vLLM here: what is tested is the CLI's stop path, not the engines."""
@@ -245,6 +249,9 @@ def test_headless_cli_ctrl_c_stops_cleanly(tmp_path: Path) -> None:
          str(REPO / "configs/sim-8.yaml"), "--run-dir", str(run_dir),
          "--set", "trainer.steps=1000"],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        # A suite started in the background of a non-interactive shell inherits SIGINT ignored,
+        # and Python then never raises KeyboardInterrupt: give the CLI a terminal's default.
+        preexec_fn=_default_sigint,
     )  # fmt: skip
     try:
         deadline = time.monotonic() + 120

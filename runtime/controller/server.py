@@ -1249,6 +1249,8 @@ class Controller:
     # ============================================================================ control plane
     def _on_control(self, identity: bytes, msg: P.Command) -> None:
         reply = commands.handle(self, msg)
+        # Stamped when it took effect, before the reply can reach the client.
+        handled_at = time.time()
         self._send(self.sockets.control, identity, reply)
         entry = {
             "event": "command",
@@ -1256,6 +1258,7 @@ class Controller:
             "args": _jsonable(msg.args),
             "ok": reply.ok,
             "reason": reply.reason,
+            "time": handled_at,
         }
         self.metrics.write(entry)
         if msg.name not in ("status", "history"):
