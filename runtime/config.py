@@ -210,6 +210,12 @@ class Config(_Section):
                 "simulated instances take their output lengths from the sim task's trace, so "
                 "use task.name: sim exactly when rollout.backend is sim"
             )
+        if self.async_.weight_sync == "nccl" and self.rollout.backend == "vllm":
+            # Refused here, before any process starts, rather than by every worker at start-up.
+            raise ValueError(
+                "async.weight_sync: 'nccl' is reserved for GPU hosts and not built yet (it needs "
+                "vLLM's weight-transfer engine); use 'file'"
+            )
         if self.rollout.backend == "sim" and self.trainer.backend != "sim":
             raise ValueError(
                 "trainer.backend: a torch trainer cannot learn from simulated tokens; "

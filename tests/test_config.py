@@ -45,6 +45,7 @@ def test_malformed_override_is_refused(item: str) -> None:
         ("rollout.instances=[{max_num_seqs: 2}]", "rollout.instances[0].max_num_seqs", "below"),
         ("telemetry.hz=-1", "telemetry.hz", "greater than 0"),
         ("rollout.backend=sim", "task.name", "use task.name: sim"),
+        ("async.weight_sync=nccl", "async.weight_sync", "use 'file'"),
     ],
 )
 def test_errors_name_the_field_the_value_and_what_is_allowed(
