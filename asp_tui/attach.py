@@ -17,7 +17,7 @@ from typing import TextIO
 import msgspec
 
 from asp_tui.format import once_text
-from asp_tui.link import ControllerLink, LinkError, resolve_target
+from asp_tui.link import ControllerLink, LinkError, read_endpoints, resolve_target
 from runtime.protocol import Snapshot
 
 EXIT_OK, EXIT_INCOMPLETE, EXIT_BAD_TARGET = 0, 1, 2
@@ -68,6 +68,8 @@ async def fetch_status(link: ControllerLink, timeout: float) -> Snapshot:
     try:
         await link.open()
         reply = await link.request("status", timeout)
+    except LinkError:
+        raise  # already says where and why
     except (TimeoutError, OSError) as exc:
         raise LinkError(f"no answer from the controller at {link.label} ({exc})") from None
     finally:
@@ -86,13 +88,28 @@ def print_once(target: str, timeout: float = 3.0, stream: TextIO | None = None) 
     try:
         snapshot = asyncio.run(fetch_status(link, timeout))
     except LinkError as exc:
+        run_dir = link.endpoints_path.parent
+        pid = _controller_pid(link.endpoints_path)
+        if pid is not None and not _pid_alive(pid):
+            return _error(
+                "attach --once",
+                f"run {link.run_name} is not running (controller pid {pid} is gone); its "
+                f"records are in {run_dir / 'metrics.jsonl'}",
+            )
         return _error(
             "attach --once",
-            f"{exc}. Is the run going? Check {link.endpoints_path.parent / 'logs'}, or start it "
+            f"{exc}. Is the run going? Check {run_dir / 'logs'}, or start it "
             "with `asp-tui --config FILE`.",
         )
     print(once_text(snapshot, endpoint=link.label), file=stream or sys.stdout)
     return EXIT_OK
+
+
+def _controller_pid(endpoints_path: Path) -> int | None:
+    try:
+        return read_endpoints(endpoints_path).controller_pid
+    except (FileNotFoundError, ValueError):
+        return None
 
 
 def _pid_alive(pid: int) -> bool:
@@ -117,8 +134,6 @@ def stop_run(target: str, timeout: float = 60.0, stream: TextIO | None = None) -
     try:
         endpoints_path = resolve_target(target)
         link = ControllerLink(endpoints_path)
-        from asp_tui.link import read_endpoints
-
         pid = read_endpoints(endpoints_path).controller_pid
     except (FileNotFoundError, ValueError) as exc:
         return _error("stop", str(exc))
@@ -128,6 +143,8 @@ def stop_run(target: str, timeout: float = 60.0, stream: TextIO | None = None) -
         try:
             await link.open()
             reply = await link.request("stop", 5.0)
+        except LinkError:
+            raise
         except (TimeoutError, OSError) as exc:
             raise LinkError(f"no answer from the controller at {link.label} ({exc})") from None
         finally:

@@ -93,9 +93,14 @@ class ControllerLink:
         self._control = ControlClient(endpoints)
         try:
             await self.request("status", self.probe_timeout_s)
-        except (TimeoutError, OSError) as exc:
+        except TimeoutError:
             await self.close()
-            raise LinkError(f"no answer from the controller at {self.label} ({exc!r})") from None
+            raise LinkError(
+                f"no answer from the controller at {self.label} within {self.probe_timeout_s:g} s"
+            ) from None
+        except OSError as exc:
+            await self.close()
+            raise LinkError(f"no answer from the controller at {self.label} ({exc})") from None
 
     def stream(self) -> AsyncIterator[Snapshot | Event]:
         if self._telemetry is None:

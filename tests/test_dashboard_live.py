@@ -269,6 +269,22 @@ async def test_print_once_and_unreachable(controller, tmp_path):
         code = await asyncio.to_thread(print_once, str(tmp_path), 1.0)
     assert code == 2
     assert "no answer from the controller at tcp://127.0.0.1:9" in err.getvalue()
+
+    ended = subprocess.Popen(["true"])
+    ended.wait()  # reaped: its pid is what a controller that has exited leaves behind
+    gone.write_endpoints(
+        type(endpoints)(
+            **{
+                **{f: getattr(endpoints, f) for f in endpoints.__struct_fields__},
+                "control": "tcp://127.0.0.1:9",
+                "controller_pid": ended.pid,
+            }
+        )
+    )
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err):
+        assert await asyncio.to_thread(print_once, str(tmp_path), 1.0) == 2
+    assert f"is not running (controller pid {ended.pid} is gone)" in err.getvalue()
     with contextlib.redirect_stderr(err):
         assert await asyncio.to_thread(print_once, str(tmp_path / "nowhere.json")) == 2
     assert "no run has started here" in err.getvalue()
