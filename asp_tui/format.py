@@ -40,7 +40,7 @@ BUBBLE_WORDS = {
     "sync": "weight sync",
     "paused": "operator pause",
     "down": "instances down",
-    "idle": "no work left",
+    "idle": "idle (start-up or no work)",
 }
 """The top cause of lost capacity, in words."""
 

@@ -20,7 +20,7 @@ Which cause the free slots get is decided by ``free_slot_cause`` (callers pass w
 - **sorting**: back-pressure: the instance has work but admission control or a full queue blocks
   it while the trainer is busy stepping (the training queue swung full), or the scheduler holds
   its work back.
-- **idle**: no work left anywhere.
+- **idle**: no work left anywhere, or an instance's first start-up (nothing was lost yet).
 
 Trainer side (``trainer_update``): the trainer is ``stepping``, ``starved`` (ready, fewer than B
 groups queued: counts as sorting), ``lag_wait`` (it has B groups but the lag bound makes it wait
