@@ -35,14 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.scheduler.base import (
-    GroupSpec,
-    InstanceSpec,
-    Plan,
-    default_length,
-    predicted_max,
-    predicted_tokens,
-)
+from runtime.scheduler.base import GroupSpec, InstanceSpec, Plan, PlannedScheduler, Predictions
 from runtime.scheduler.cost_model import CostModel
 from runtime.scheduler.fifo import minibatch_size
 from runtime.scheduler.partition import lpt, snake
@@ -104,12 +97,12 @@ def build_variant(
     batch_groups: int,
     lag_bound: int,
     cost_model: CostModel,
+    predictions: Predictions | None = None,
 ) -> Plan:
     """One candidate plan (see the module docstring)."""
     n = groups[0].n if groups else 1
-    dflt = default_length(groups)
-    tok = predicted_tokens(groups, dflt)
-    mx = predicted_max(groups, dflt)
+    pred = predictions or Predictions.of(groups)
+    tok, mx = pred.tokens, pred.longest
     b = batch_groups
     if variant == "homogeneous":
         order = np.argsort(mx, kind="stable")
@@ -117,7 +110,7 @@ def build_variant(
     if variant == "ascending":
         from runtime.scheduler.length_sorted import plan_sorted
 
-        return plan_sorted(groups, instances)
+        return plan_sorted(groups, instances, pred)
     if variant == "longest_first":
         order = np.argsort(-mx, kind="stable")
         return _assemble([order], tok, instances, n)
@@ -196,17 +189,19 @@ def plan_asp(
     tail_p: float = 0.002,
     draws: int = 2,
     dispatch: str = "continuous",
+    predictions: Predictions | None = None,
 ) -> tuple[Plan, AspInfo]:
     """Build the candidates, score them in the simulator, return the best plan.
 
     Each candidate is scored by its mean simulated iteration time over ``draws`` noisy
     realisations of the predictions (``noise_sigma``: log-normal spread per sample, 0.4 is about
     the within-group spread of the grouped traces; ``tail_p``: chance per sample of a run to the
-    cap, 0.1-0.5% in shared/data/lengths). All candidates see the same draws."""
-    from runtime.scheduler.base import PlannedScheduler
+    cap, 0.1-0.5% in shared/data/lengths). All candidates see the same draws. ``predictions``
+    are the groups' own, when the caller has them already."""
     from runtime.sim.engine import simulate
 
     variants = list(variants)
+    pred = predictions or Predictions.of(groups)
     if len(variants) == 1 or not groups:
         v = variants[0]
         return build_variant(
@@ -216,20 +211,29 @@ def plan_asp(
             batch_groups=batch_groups,
             lag_bound=lag_bound,
             cost_model=cost_model,
+            predictions=pred,
         ), AspInfo(v)
     rng = np.random.default_rng(seed)
     # Score on a subsample with the cluster scaled down in proportion, so per-instance load,
     # batch size relative to capacity and the lag window look the same.
     sub_groups, sub_inst, sub_b = _subsample(groups, instances, batch_groups, rng)
-    dflt = default_length(sub_groups)
+    sub_pred = Predictions.of(sub_groups)
     if len(groups) > 100_000:
         draws = 1  # keep 1M-group planning within seconds
-    actuals = [_noisy_actual(sub_groups, rng, noise_sigma, dflt, tail_p) for _ in range(draws)]
+    actuals = [
+        _noisy_actual(sub_groups, rng, noise_sigma, sub_pred.default, tail_p) for _ in range(draws)
+    ]
     scores: dict[str, float] = {}
     best = None
     for v in variants:
         plan = build_variant(
-            v, sub_groups, sub_inst, batch_groups=sub_b, lag_bound=lag_bound, cost_model=cost_model
+            v,
+            sub_groups,
+            sub_inst,
+            batch_groups=sub_b,
+            lag_bound=lag_bound,
+            cost_model=cost_model,
+            predictions=sub_pred,
         )
         runs = []
         for actual in actuals:
@@ -241,6 +245,7 @@ def plan_asp(
                 batch_groups=sub_b,
                 lag_bound=lag_bound,
                 cost_model=cost_model,
+                predictions=sub_pred,
             )
             runs.append(
                 simulate(
@@ -260,7 +265,13 @@ def plan_asp(
     assert best is not None
     v, r, _ = best
     plan = build_variant(
-        v, groups, instances, batch_groups=batch_groups, lag_bound=lag_bound, cost_model=cost_model
+        v,
+        groups,
+        instances,
+        batch_groups=batch_groups,
+        lag_bound=lag_bound,
+        cost_model=cost_model,
+        predictions=pred,
     )
     return plan, AspInfo(v, scores, dict(r.breakdown.fractions), r.iteration_s)
 

@@ -82,29 +82,38 @@ class Scheduler(abc.ABC):
         return 0
 
 
-def predicted_tokens(groups: Sequence[GroupSpec], default: float) -> np.ndarray:
-    """Predicted output tokens per group; unknown lengths count as ``default`` per sample.
+@dataclass(frozen=True)
+class Predictions:
+    """An epoch's predicted lengths as arrays, built in one pass over the groups.
 
-    A prediction may carry fewer values than ``n`` (one profiled sample, say): its mean is scaled
-    to ``n`` samples."""
-    out = np.empty(len(groups))
-    for k, g in enumerate(groups):
-        p = g.predicted_lengths
-        out[k] = g.n * (sum(p) / len(p) if p else default)
-    return out
+    ``default`` is the median predicted sample length; unknown predictions count as it per
+    sample. A prediction may carry fewer values than ``n`` (one profiled sample, say): its mean
+    is scaled to ``n`` samples."""
 
+    default: float
+    tokens: np.ndarray
+    """Predicted output tokens per group."""
+    longest: np.ndarray
+    """Predicted longest sample per group."""
 
-def predicted_max(groups: Sequence[GroupSpec], default: float) -> np.ndarray:
-    """Predicted longest sample per group (``default`` where unknown)."""
-    return np.array(
-        [max(g.predicted_lengths) if g.predicted_lengths else default for g in groups], dtype=float
-    )
-
-
-def default_length(groups: Sequence[GroupSpec], fallback: float = 512.0) -> float:
-    """The median predicted sample length, to stand in for unknown predictions."""
-    known = [sum(p) / len(p) for g in groups if (p := g.predicted_lengths)]
-    return float(np.median(known)) if known else fallback
+    @classmethod
+    def of(cls, groups: Sequence[GroupSpec], fallback: float = 512.0) -> Predictions:
+        count = len(groups)
+        mean = np.full(count, np.nan)
+        longest = np.full(count, np.nan)
+        size = np.empty(count)
+        for k, g in enumerate(groups):
+            size[k] = g.n
+            if p := g.predicted_lengths:
+                mean[k] = sum(p) / len(p)
+                longest[k] = max(p)
+        known = ~np.isnan(mean)
+        default = float(np.median(mean[known])) if known.any() else fallback
+        return cls(
+            default,
+            size * np.where(known, mean, default),
+            np.where(known, longest, default),
+        )
 
 
 @dataclass
@@ -148,7 +157,7 @@ class PlannedScheduler(Scheduler):
         batch_groups: int,
         lag_bound: int,
         cost_model: CostModel | None = None,
-        default_length: float = 512.0,
+        predictions: Predictions | None = None,
         steal: bool = False,
     ) -> None:
         self.name = name
@@ -161,7 +170,7 @@ class PlannedScheduler(Scheduler):
         self.index = {g.prompt_id: k for k, g in enumerate(self.groups)}
         if len(self.index) != len(self.groups):
             raise ValueError("groups: prompt_id values must be unique within an epoch")
-        self.tokens = predicted_tokens(self.groups, default_length)
+        self.tokens = (predictions or Predictions.of(self.groups)).tokens
         # Each instance's pending work is a deque of minibatches (deques of group indices).
         self.queues: dict[int, deque[deque[int]]] = {}
         for i in self.specs:

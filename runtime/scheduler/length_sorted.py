@@ -6,12 +6,16 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from runtime.scheduler.base import GroupSpec, InstanceSpec, Plan, default_length, predicted_max
+from runtime.scheduler.base import GroupSpec, InstanceSpec, Plan, Predictions
 from runtime.scheduler.fifo import round_robin
 
 
-def plan_sorted(groups: Sequence[GroupSpec], instances: Sequence[InstanceSpec]) -> Plan:
+def plan_sorted(
+    groups: Sequence[GroupSpec],
+    instances: Sequence[InstanceSpec],
+    predictions: Predictions | None = None,
+) -> Plan:
     # Sort on the predicted longest member: it decides when a group (and its minibatch) ends.
-    key = predicted_max(groups, default_length(groups))
+    key = (predictions or Predictions.of(groups)).longest
     order = np.argsort(key, kind="stable")
     return round_robin(order.tolist(), groups, instances)

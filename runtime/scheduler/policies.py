@@ -8,8 +8,8 @@ from runtime.scheduler.base import (
     GroupSpec,
     InstanceSpec,
     PlannedScheduler,
+    Predictions,
     Scheduler,
-    default_length,
 )
 from runtime.scheduler.cost_model import CostModel
 from runtime.scheduler.fifo import plan_fifo
@@ -35,7 +35,7 @@ def _validate(
     for g in groups:
         if g.n < 1:
             raise ValueError(f"groups[prompt_id={g.prompt_id}].n: {g.n} must be >= 1")
-        if g.predicted_lengths is not None and any(x < 0 for x in g.predicted_lengths):
+        if g.predicted_lengths and min(g.predicted_lengths) < 0:
             raise ValueError(f"groups[prompt_id={g.prompt_id}].predicted_lengths: negative")
     for s in instances:
         if s.max_num_seqs < 1:
@@ -61,10 +61,12 @@ def make_scheduler(
         raise ValueError(f"policy: {policy!r} is not one of {', '.join(POLICIES)}")
     _validate(groups, instances, batch_groups, lag_bound)
     cost_model = cost_model or CostModel()
+    # One pass over the groups for every user of the predictions: 1M groups cost ~0.3 s a pass.
+    predictions = Predictions.of(groups)
     if policy == "fifo":
         plan = plan_fifo(groups, instances)
     elif policy == "sorted":
-        plan = plan_sorted(groups, instances)
+        plan = plan_sorted(groups, instances, predictions)
     else:
         from runtime.scheduler.asp import plan_asp
 
@@ -76,6 +78,7 @@ def make_scheduler(
             cost_model=cost_model,
             seed=seed,
             dispatch=dispatch,
+            predictions=predictions,
         )
         s = PlannedScheduler(
             policy,
@@ -85,7 +88,7 @@ def make_scheduler(
             batch_groups=batch_groups,
             lag_bound=lag_bound,
             cost_model=cost_model,
-            default_length=default_length(groups),
+            predictions=predictions,
             steal=True,
         )
         s.predicted_breakdown = info.predicted_breakdown
@@ -100,5 +103,5 @@ def make_scheduler(
         batch_groups=batch_groups,
         lag_bound=lag_bound,
         cost_model=cost_model,
-        default_length=default_length(groups),
+        predictions=predictions,
     )
