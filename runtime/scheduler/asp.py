@@ -202,17 +202,20 @@ def plan_asp(
 
     variants = list(variants)
     pred = predictions or Predictions.of(groups)
-    if len(variants) == 1 or not groups:
-        v = variants[0]
+
+    def build(variant: str) -> Plan:
         return build_variant(
-            v,
+            variant,
             groups,
             instances,
             batch_groups=batch_groups,
             lag_bound=lag_bound,
             cost_model=cost_model,
             predictions=pred,
-        ), AspInfo(v)
+        )
+
+    if len(variants) == 1 or not groups:
+        return build(variants[0]), AspInfo(variants[0])
     rng = np.random.default_rng(seed)
     # Score on a subsample with the cluster scaled down in proportion, so per-instance load,
     # batch size relative to capacity and the lag window look the same.
@@ -264,16 +267,7 @@ def plan_asp(
             best = (v, runs[0], scores[v])
     assert best is not None
     v, r, _ = best
-    plan = build_variant(
-        v,
-        groups,
-        instances,
-        batch_groups=batch_groups,
-        lag_bound=lag_bound,
-        cost_model=cost_model,
-        predictions=pred,
-    )
-    return plan, AspInfo(v, scores, dict(r.breakdown.fractions), r.iteration_s)
+    return build(v), AspInfo(v, scores, dict(r.breakdown.fractions), r.iteration_s)
 
 
 def _subsample(
