@@ -33,6 +33,26 @@ def _add_config_arguments(parser: argparse.ArgumentParser, required: bool) -> No
     )
 
 
+def _render_hz(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number of Hz") from None
+    if not 0.5 <= value <= 60.0:
+        raise argparse.ArgumentTypeError(f"{value:g} is outside 0.5..60 Hz")
+    return value
+
+
+def _add_render_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--render-hz",
+        type=_render_hz,
+        metavar="HZ",
+        help="dashboard redraws per second, 0.5..60 (default: the run's telemetry.hz, "
+        "at least 10); lower it on a busy head node",
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="asp-tui",
@@ -44,6 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     start = commands.add_parser("start", help="start a run detached and attach the dashboard")
     _add_config_arguments(start, required=True)
     start.add_argument("--readonly", action="store_true", help="attach without any command")
+    _add_render_argument(start)
     start.set_defaults(func=_cmd_start)
 
     run = commands.add_parser("run", help="run in the foreground")
@@ -55,6 +76,7 @@ def build_parser() -> argparse.ArgumentParser:
     attach.add_argument("target", help="run directory or endpoints.json")
     attach.add_argument("--readonly", action="store_true", help="disable every command")
     attach.add_argument("--once", action="store_true", help="print one snapshot and exit")
+    _add_render_argument(attach)
     attach.set_defaults(func=_cmd_attach)
 
     stop = commands.add_parser("stop", help="stop a live run cleanly")
@@ -82,7 +104,7 @@ def _cmd_start(args: argparse.Namespace) -> int:
         return run_headless(config)
     from asp_tui.detached import start_and_attach
 
-    return start_and_attach(config, readonly=args.readonly)
+    return start_and_attach(config, readonly=args.readonly, render_hz=args.render_hz)
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
@@ -101,7 +123,7 @@ def _cmd_attach(args: argparse.Namespace) -> int:
 
     if args.once:
         return print_once(args.target)
-    return attach(args.target, readonly=args.readonly)
+    return attach(args.target, readonly=args.readonly, render_hz=args.render_hz)
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:

@@ -9,7 +9,7 @@ from runtime.config import Config
 from runtime.launcher import RunAlreadyLive, prepare_run, start_controller, wait_for_endpoints
 
 
-def start_and_attach(config: Config, *, readonly: bool) -> int:
+def start_and_attach(config: Config, *, readonly: bool, render_hz: float | None = None) -> int:
     """Start (or find) the run in ``config.run_dir`` and attach the dashboard to it."""
     from asp_tui.attach import attach
 
@@ -18,10 +18,10 @@ def start_and_attach(config: Config, *, readonly: bool) -> int:
         run_dir = prepare_run(config)
     except RunAlreadyLive:
         console.print(f"a run is already live in {config.run_dir}: attaching")
-        return attach(str(config.run_dir), readonly=readonly)
+        return attach(str(config.run_dir), readonly=readonly, render_hz=render_hz)
     prepare_model_with_status(config, console)
     process = start_controller(run_dir)
     with console.status("starting the controller (it keeps running when you detach)"):
         wait_for_endpoints(run_dir, process)
     console.print(f"run started in {run_dir.root}; `asp-tui stop {run_dir.root}` stops it")
-    return attach(str(run_dir.root), readonly=readonly)
+    return attach(str(run_dir.root), readonly=readonly, render_hz=render_hz)

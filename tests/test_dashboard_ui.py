@@ -9,10 +9,13 @@ from __future__ import annotations
 
 import random
 
+import pytest
 from textual.widgets import Button
 
 from asp_tui import messages as msg
 from asp_tui.app import Dashboard, make_app
+from asp_tui.cli import build_parser
+from asp_tui.cli import main as cli_main
 from asp_tui.format import bar_segments, bubble_bar, gauge, once_text, top_cause_words
 from asp_tui.link import FixedLink
 from asp_tui.model import Backoff, DashboardModel, Link
@@ -336,3 +339,16 @@ async def test_last_data_is_kept_and_dimmed_when_disconnected():
     for line in (12, 13):
         assert colours[False, line], line
         assert colours[True, line].isdisjoint(colours[False, line]), f"line {line} dimmed"
+
+
+@pytest.mark.parametrize(("value", "why"), [("0", "outside 0.5..60 Hz"), ("fast", "not a number")])
+def test_render_rate_flag_is_validated(value: str, why: str, capsys) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        cli_main(["attach", "runs/x", "--render-hz", value])
+    assert exit_info.value.code == 2
+    assert why in capsys.readouterr().err
+
+
+def test_render_rate_flag_reaches_attach() -> None:
+    args = build_parser().parse_args(["attach", "runs/x", "--render-hz", "2.5"])
+    assert args.render_hz == 2.5
