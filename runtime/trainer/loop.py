@@ -334,5 +334,8 @@ def run(run_dir: str | Path) -> int:
     finally:
         process.close()
     log.info("trainer exits at version %d (%s)", trainer.version, reason)
+    # Every rank leaves together: a rank that tears gloo down while another still uses it can
+    # make that one abort at exit.
+    trainer.accelerator.wait_for_everyone()
     trainer.accelerator.end_training()
     return 0
