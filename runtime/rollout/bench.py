@@ -1,10 +1,11 @@
 """Rollout worker overhead: the worker process (zmq, groups, rewards) against bare ``LLM.generate``.
 
 ``compare_worker_to_bare_llm(config)`` runs the same groups (same prompts, n, max_tokens, seeds)
-twice, one engine at a time: through a real ``runtime.rollout.worker`` process driven by a
-stand-in controller ROUTER, and through plain ``vllm.LLM.generate``. Both are warmed up and
-timed from the first request to the last finished group. ``bench/throughput.py`` calls it;
-``python -m runtime.rollout.bench --config configs/tiny.yaml`` prints it.
+through a real ``runtime.rollout.worker`` process, driven by a stand-in controller ROUTER, and
+through plain ``vllm.LLM.generate`` in this process. Both engines are loaded and warmed up, then
+they take turns, one timed pass at a time, so that they never compete for cores and a shared
+machine's drift hits both alike. The median pass of each counts. ``bench/throughput.py`` calls
+it; ``python -m runtime.rollout.bench --config configs/tiny.yaml`` prints it.
 """
 
 from __future__ import annotations
@@ -15,9 +16,10 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import zmq
@@ -26,15 +28,29 @@ from runtime.config import Config, load_config
 from runtime.protocol import Encoder, FrameGuard, Generate, GroupAborted, GroupDone, WorkerHello
 from runtime.rundir import Endpoints, RunDir
 
+if TYPE_CHECKING:  # vLLM is imported only when a bare engine is built
+    from runtime.rollout.engine import BareLLM, SamplingSpec
+
+PASSES = 5
+"""Timed passes over the same groups per path."""
+
 
 @dataclass(frozen=True)
 class Throughput:
-    tokens: int
-    seconds: float
+    """Tokens generated and seconds taken by each timed pass over the same groups."""
+
+    tokens: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    @property
+    def rates(self) -> list[float]:
+        return [t / s for t, s in zip(self.tokens, self.seconds, strict=True) if s > 0]
 
     @property
     def tokens_per_s(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        """The median pass's rate."""
+        rates = self.rates
+        return float(np.median(rates)) if rates else 0.0
 
 
 @dataclass(frozen=True)
@@ -52,9 +68,10 @@ class Comparison:
     def as_dict(self) -> dict[str, float]:
         return {
             "groups": self.groups,
-            "worker_tokens": self.worker.tokens,
+            "passes": len(self.worker.seconds),
+            "worker_tokens_per_pass": self.worker.tokens[0],
             "worker_tokens_per_s": self.worker.tokens_per_s,
-            "bare_llm_tokens": self.bare_llm.tokens,
+            "bare_llm_tokens_per_pass": self.bare_llm.tokens[0],
             "bare_llm_tokens_per_s": self.bare_llm.tokens_per_s,
             "overhead": self.overhead,
             "worker_startup_s": self.worker_startup_s,
@@ -78,18 +95,24 @@ def _one_instance(config: Config, run_dir: Path) -> Config:
     return Config.model_validate(data)
 
 
-def worker_throughput(
-    config: Config, prompts: list[tuple[int, list[int]]], seed: int = 1234, timeout_s: float = 600
-) -> tuple[Throughput, float]:
-    """Run every prompt as one group through a worker process; ``(throughput, startup s)``."""
-    n, max_tokens = config.rollout.sampling.n, config.rollout.sampling.max_tokens
-    with tempfile.TemporaryDirectory(prefix="asp-rollout-bench-") as tmp:
-        run_dir = RunDir(tmp).create()
+def _group_seed(seed: int, position: int) -> int:
+    return seed + position * 4_099
+
+
+class WorkerPath:
+    """A real worker process on a one-instance copy of ``config``, fed groups by a ROUTER."""
+
+    def __init__(self, config: Config, seed: int = 1234, timeout_s: float = 600) -> None:
+        self._n, self._max_tokens = config.rollout.sampling.n, config.rollout.sampling.max_tokens
+        self._seed, self._timeout_s = seed, timeout_s
+        self._next_group = 0
+        self._tmp = tempfile.TemporaryDirectory(prefix="asp-rollout-bench-")
+        run_dir = RunDir(self._tmp.name).create()
         run_dir.config.write_text(_one_instance(config, run_dir.root).to_yaml())
-        context = zmq.Context()
-        router = context.socket(zmq.ROUTER)
-        router.setsockopt(zmq.LINGER, 0)
-        port = router.bind_to_random_port("tcp://127.0.0.1")
+        self._context = zmq.Context()
+        self._router = self._context.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        port = self._router.bind_to_random_port("tcp://127.0.0.1")
         run_dir.write_endpoints(
             Endpoints(
                 rollout=f"tcp://127.0.0.1:{port}",
@@ -100,64 +123,71 @@ def worker_throughput(
                 run_name=config.run.name,
             )
         )
-        encoder, guard = Encoder(), FrameGuard("bench")
+        self._encoder, self._guard = Encoder(), FrameGuard("bench")
         started = time.perf_counter()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.rollout.worker", "--run-dir", tmp, "--instance-id", "0"]
-        )
+        command = [sys.executable, "-m", "runtime.rollout.worker", "--run-dir", self._tmp.name]
+        self._proc = subprocess.Popen([*command, "--instance-id", "0"])
         try:
+            self._wait((WorkerHello,), time.perf_counter() + timeout_s)
+        except BaseException:
+            self.close()
+            raise
+        self.startup_s = time.perf_counter() - started
 
-            def wait(kind: tuple[type, ...], deadline: float) -> Any:
-                while time.perf_counter() < deadline:
-                    if proc.poll() is not None:
-                        raise RuntimeError(f"worker exited {proc.returncode}; see {tmp}/logs")
-                    if router.poll(200):
-                        message = guard.decode(router.recv_multipart()[1:])
-                        if isinstance(message, kind):
-                            return message
-                raise TimeoutError(f"no {[k.__name__ for k in kind]} from the worker in time")
+    def generate(self, prompts: list[tuple[int, list[int]]]) -> int:
+        """Send every prompt as one group and wait for all of them; the tokens generated."""
+        for position, (prompt_id, ids) in enumerate(prompts):
+            # Fresh group ids every call; seeds follow the prompt's position, as for the bare
+            # engine, so every pass samples the same tokens.
+            message = Generate(
+                group_id=self._next_group,
+                prompt_id=prompt_id,
+                prompt_token_ids=np.asarray(ids, dtype=np.int32),
+                n=self._n,
+                max_tokens=self._max_tokens,
+                seed=_group_seed(self._seed, position),
+            )
+            self._next_group += 1
+            self._router.send_multipart([b"instance-0", *self._encoder.encode(message)])
+        tokens, deadline = 0, time.perf_counter() + self._timeout_s
+        for _ in prompts:
+            done = self._wait((GroupDone, GroupAborted), deadline)
+            if isinstance(done, GroupAborted):
+                raise RuntimeError(f"group {done.group_id} aborted: {done.reason}")
+            tokens += sum(len(c.token_ids) for c in done.completions)
+        return tokens
 
-            def run(batch: list[tuple[int, list[int]]], first_group: int) -> int:
-                for offset, (prompt_id, ids) in enumerate(batch):
-                    group_id = first_group + offset
-                    message = Generate(
-                        group_id=group_id,
-                        prompt_id=prompt_id,
-                        prompt_token_ids=np.asarray(ids, dtype=np.int32),
-                        n=n,
-                        max_tokens=max_tokens,
-                        seed=seed + group_id * 4_099,
-                    )
-                    router.send_multipart([b"instance-0", *encoder.encode(message)])
-                tokens, deadline = 0, time.perf_counter() + timeout_s
-                for _ in batch:
-                    done = wait((GroupDone, GroupAborted), deadline)
-                    if isinstance(done, GroupAborted):
-                        raise RuntimeError(f"group {done.group_id} aborted: {done.reason}")
-                    tokens += sum(len(c.token_ids) for c in done.completions)
-                return tokens
+    def _wait(self, kind: tuple[type, ...], deadline: float) -> Any:
+        while time.perf_counter() < deadline:
+            if self._proc.poll() is not None:
+                logs = Path(self._tmp.name) / "logs"
+                raise RuntimeError(f"worker exited {self._proc.returncode}; see {logs}")
+            if self._router.poll(200):
+                message = self._guard.decode(self._router.recv_multipart()[1:])
+                if isinstance(message, kind):
+                    return message
+        raise TimeoutError(f"no {[k.__name__ for k in kind]} from the worker in time")
 
-            wait((WorkerHello,), time.perf_counter() + timeout_s)
-            startup_s = time.perf_counter() - started
-            run(prompts[:4], first_group=1_000_000)  # warm-up, as for the bare engine
-            began = time.perf_counter()
-            tokens = run(prompts, first_group=0)
-            return Throughput(tokens, time.perf_counter() - began), startup_s
-        finally:
-            proc.terminate()
-            try:
-                proc.wait(60)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-            router.close()
-            context.term()
+    def close(self) -> None:
+        self._proc.terminate()
+        try:
+            self._proc.wait(60)
+        except subprocess.TimeoutExpired:
+            self._proc.kill()
+            self._proc.wait()
+        self._router.close()
+        self._context.term()
+        self._tmp.cleanup()
+
+    def __enter__(self) -> WorkerPath:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
-def bare_llm_throughput(
-    config: Config, prompts: list[tuple[int, list[int]]], seed: int = 1234
-) -> Throughput:
-    """The same groups through plain ``vllm.LLM.generate`` in this process."""
-    from runtime.rollout.engine import EngineSpec, SamplingSpec, bare_llm_tokens_per_s
+def _bare_llm(config: Config, groups: int, seed: int) -> tuple[BareLLM, list[SamplingSpec]]:
+    from runtime.rollout.engine import BareLLM, EngineSpec, SamplingSpec
     from runtime.tasks import ensure_model
 
     sampling = config.rollout.sampling
@@ -174,20 +204,42 @@ def bare_llm_throughput(
             max_tokens=sampling.max_tokens,
             temperature=sampling.temperature,
             top_p=sampling.top_p,
-            seed=seed + group_id * 4_099,
+            seed=_group_seed(seed, position),
         )
-        for group_id in range(len(prompts))
+        for position in range(groups)
     ]
-    tokens, seconds = bare_llm_tokens_per_s(spec, [ids for _, ids in prompts], specs)
-    return Throughput(tokens, seconds)
+    return BareLLM(spec), specs
 
 
-def compare_worker_to_bare_llm(config: Config, groups: int = 64) -> Comparison:
-    """Worker vs bare ``LLM.generate`` on the same ``groups`` groups (one engine at a time)."""
+def compare_worker_to_bare_llm(
+    config: Config, groups: int = 64, passes: int = PASSES, seed: int = 1234
+) -> Comparison:
+    """Worker vs bare ``LLM.generate`` on the same ``groups`` groups, in alternating passes."""
+    if passes < 1:
+        raise ValueError(f"passes: {passes} is not allowed; at least 1")
     prompts = bench_prompts(config, groups)
-    worker, startup_s = worker_throughput(config, prompts)
-    bare = bare_llm_throughput(config, prompts)
-    return Comparison(worker=worker, bare_llm=bare, worker_startup_s=startup_s, groups=groups)
+    token_ids = [ids for _, ids in prompts]
+    timed: dict[str, tuple[list[int], list[float]]] = {"worker": ([], []), "bare": ([], [])}
+    with WorkerPath(config, seed) as worker:
+        bare, specs = _bare_llm(config, groups, seed)
+        with bare:
+            runs: dict[str, Callable[[], int]] = {
+                "worker": lambda: worker.generate(prompts),
+                "bare": lambda: bare.generate(token_ids, specs),
+            }
+            worker.generate(prompts[:4])  # warm-up
+            bare.generate(token_ids[:4], specs[:4])
+            for number in range(passes):
+                # Alternate who goes first, so neither always runs right after the other.
+                for name in ("worker", "bare") if number % 2 == 0 else ("bare", "worker"):
+                    began = time.perf_counter()
+                    tokens = runs[name]()
+                    timed[name][0].append(tokens)
+                    timed[name][1].append(time.perf_counter() - began)
+    worker_tp, bare_tp = (Throughput(tuple(t), tuple(s)) for t, s in timed.values())
+    return Comparison(
+        worker=worker_tp, bare_llm=bare_tp, worker_startup_s=worker.startup_s, groups=groups
+    )
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -195,11 +247,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config", default="configs/tiny.yaml")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--groups", type=int, default=64)
+    parser.add_argument("--passes", type=int, default=PASSES)
     args = parser.parse_args(argv)
-    result = compare_worker_to_bare_llm(load_config(args.config, args.set), args.groups)
+    config = load_config(args.config, args.set)
+    result = compare_worker_to_bare_llm(config, args.groups, args.passes)
     print(f"groups {result.groups}, worker start-up {result.worker_startup_s:.1f} s")
     for name, row in (("worker", result.worker), ("bare LLM", result.bare_llm)):
-        print(f"  {name:<10s} {row.tokens:>8d} tokens  {row.tokens_per_s:8.0f} tok/s")
+        rates = ", ".join(f"{r:.0f}" for r in row.rates)
+        print(
+            f"  {name:<10s} {row.tokens[0]:>8d} tokens/pass  median {row.tokens_per_s:8.0f} tok/s"
+        )
+        print(f"  {'':<10s} passes: {rates} tok/s")
     print(f"  overhead    {100 * result.overhead:+.1f}%")
     return 0
 

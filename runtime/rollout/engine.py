@@ -317,30 +317,30 @@ def _sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> np.ndarray:
     )
 
 
-def bare_llm_tokens_per_s(
-    spec: EngineSpec, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingSpec]
-) -> tuple[int, float]:
-    """Reference throughput: plain ``vllm.LLM.generate`` on ``prompts`` (one group each).
+class BareLLM:
+    """Reference engine: plain ``vllm.LLM.generate``, configured like ``RolloutEngine.start``.
 
-    The engine is configured like ``RolloutEngine.start`` and warmed up on the first prompts
-    before the timed call. Returns ``(tokens generated, seconds)``. Call it from a process that
-    has an ``if __name__ == "__main__"`` guard, with no other engine running.
+    ``generate`` runs one group per prompt and returns the tokens generated. Use it as a context
+    manager from a process with an ``if __name__ == "__main__"`` guard.
     """
-    from vllm import LLM
 
-    llm = LLM(
-        model=spec.model,
-        dtype=spec.dtype,
-        max_num_seqs=spec.max_num_seqs,
-        seed=spec.seed,
-        tensor_parallel_size=spec.tensor_parallel_size,
-        max_model_len=spec.max_model_len,
-        enforce_eager=spec.enforce_eager,
-        kv_cache_memory_bytes=int(spec.kv_cache_gib * _GIB),
-        logprobs_mode="processed_logprobs",
-        disable_log_stats=True,
-    )
-    try:
+    def __init__(self, spec: EngineSpec) -> None:
+        from vllm import LLM
+
+        self._llm = LLM(
+            model=spec.model,
+            dtype=spec.dtype,
+            max_num_seqs=spec.max_num_seqs,
+            seed=spec.seed,
+            tensor_parallel_size=spec.tensor_parallel_size,
+            max_model_len=spec.max_model_len,
+            enforce_eager=spec.enforce_eager,
+            kv_cache_memory_bytes=int(spec.kv_cache_gib * _GIB),
+            logprobs_mode="processed_logprobs",
+            disable_log_stats=True,
+        )
+
+    def generate(self, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingSpec]) -> int:
         params = [
             SamplingParams(
                 n=s.n,
@@ -355,12 +355,14 @@ def bare_llm_tokens_per_s(
             for s in sampling
         ]
         inputs = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
-        warm = min(len(inputs), 4)
-        llm.generate(inputs[:warm], params[:warm], use_tqdm=False)
-        started = time.perf_counter()
-        outputs = llm.generate(inputs, params, use_tqdm=False)
-        seconds = time.perf_counter() - started
-        return sum(len(c.token_ids) for o in outputs for c in o.outputs), seconds
-    finally:
-        llm.llm_engine.engine_core.shutdown()
-        del llm
+        outputs = self._llm.generate(inputs, params, use_tqdm=False)
+        return sum(len(c.token_ids) for o in outputs for c in o.outputs)
+
+    def close(self) -> None:
+        self._llm.llm_engine.engine_core.shutdown()
+
+    def __enter__(self) -> BareLLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
