@@ -6,7 +6,7 @@ bubble breakdown. Then the rollout worker's generation throughput is compared wi
 ``vllm.LLM.generate`` on the same prompts, in alternating passes (``runtime.rollout.bench``).
 Numbers on shared cores are noisy: read the ratios.
 
-    .venv/bin/python bench/throughput.py [--steps 14] [--warmup 4] [--lag-bounds 0 1 2]
+    .venv/bin/python bench/throughput.py [--steps 34] [--warmup 4] [--lag-bounds 0 1 2]
 """
 
 from __future__ import annotations
@@ -48,8 +48,10 @@ def measure(config: Config, warmup: int) -> dict[str, Any]:
     if len(steady) < 2:
         raise RuntimeError(f"only {len(steps)} steps; raise --steps above --warmup + 1")
     seconds = sum(r["iteration_s"] for r in steady)
+    quartiles = statistics.quantiles((r["iteration_s"] for r in steady), n=4)
     return {
         "iteration_s": statistics.median(r["iteration_s"] for r in steady),
+        "iteration_iqr_s": (quartiles[0], quartiles[2]),
         "tokens_per_s": sum(r["tokens"] for r in steady) / seconds,
         "samples_per_s": sum(r["samples"] for r in steady) / seconds,
         "lag_mean": statistics.fmean(r["lag_mean"] for r in steady),
@@ -65,7 +67,9 @@ def measure(config: Config, warmup: int) -> dict[str, Any]:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(REPO / "configs/tiny.yaml"))
-    parser.add_argument("--steps", type=int, default=14)
+    # Start-up (two engines and the trainer) takes about a minute a run; a step about 1.5 s.
+    # 30 steady steps make the medians steadier for little extra time.
+    parser.add_argument("--steps", type=int, default=34)
     parser.add_argument("--warmup", type=int, default=4)
     parser.add_argument("--lag-bounds", type=int, nargs="+", default=[0, 1, 2])
     parser.add_argument("--groups", type=int, default=64, help="groups for the worker overhead")
@@ -86,8 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             results[eta] = measure(config, args.warmup)
 
     base = results[args.lag_bounds[0]]
-    table = Table(title=f"tiny config, steps {args.warmup + 1}..{args.steps} (steady state)")
-    for column in ("η", "iter s", "vs first", "tokens/s", "samples/s", "lag mean/max", "reward"):
+    title = (
+        f"tiny config, steps {args.warmup + 1}..{args.steps} (steady state; iter s is the median)"
+    )
+    table = Table(title=title)
+    columns = ("η", "iter s", "p25..p75", "vs first", "tokens/s", "samples/s", "lag mean/max")
+    for column in (*columns, "reward"):
         table.add_column(column, justify="right")
     for category in BUBBLE_CATEGORIES:
         table.add_column(category[:5] + " %", justify="right")
@@ -95,6 +103,7 @@ def main(argv: list[str] | None = None) -> int:
         table.add_row(
             str(eta),
             f"{row['iteration_s']:.2f}",
+            "{:.2f}..{:.2f}".format(*row["iteration_iqr_s"]),
             f"{row['iteration_s'] / base['iteration_s']:.2f}x",
             f"{row['tokens_per_s']:.0f}",
             f"{row['samples_per_s']:.1f}",
