@@ -137,8 +137,9 @@ assert sorted(full) == sorted(reference), sorted(set(full) ^ set(reference))
 assert checksum(full) == checksum(reference)
 print("fsdp export ok on rank", dist.get_rank(), flush=True)
 # Seen once in a fresh-clone CI run: after both "ok" lines, one rank aborted at exit with
-# "terminate called without an active exception". Free FSDP's state (which holds gloo work)
-# while the interpreter is alive, and leave together, so no rank tears gloo down under another.
+# "terminate called without an active exception". The likely causes: FSDP's state freed during
+# interpreter shutdown, or a rank tearing gloo down under the other. So free that state now,
+# and leave together.
 del model, param, full
 gc.collect()
 dist.barrier()

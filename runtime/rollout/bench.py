@@ -219,27 +219,43 @@ def compare_worker_to_bare_llm(
         raise ValueError(f"passes: {passes} is not allowed; at least 1")
     prompts = bench_prompts(config, groups)
     token_ids = [ids for _, ids in prompts]
-    timed: dict[str, tuple[list[int], list[float]]] = {"worker": ([], []), "bare": ([], [])}
     with WorkerPath(config, seed) as worker:
         bare, specs = _bare_llm(config, groups, seed)
         with bare:
-            runs: dict[str, Callable[[], int]] = {
-                "worker": lambda: worker.generate(prompts),
-                "bare": lambda: bare.generate(token_ids, specs),
-            }
             worker.generate(prompts[:4])  # warm-up
             bare.generate(token_ids[:4], specs[:4])
+            worker_pass = _Timed(lambda: worker.generate(prompts))
+            bare_pass = _Timed(lambda: bare.generate(token_ids, specs))
             for number in range(passes):
                 # Alternate who goes first, so neither always runs right after the other.
-                for name in ("worker", "bare") if number % 2 == 0 else ("bare", "worker"):
-                    began = time.perf_counter()
-                    tokens = runs[name]()
-                    timed[name][0].append(tokens)
-                    timed[name][1].append(time.perf_counter() - began)
-    worker_tp, bare_tp = (Throughput(tuple(t), tuple(s)) for t, s in timed.values())
+                first, second = (
+                    (worker_pass, bare_pass) if number % 2 == 0 else (bare_pass, worker_pass)
+                )
+                first.run()
+                second.run()
     return Comparison(
-        worker=worker_tp, bare_llm=bare_tp, worker_startup_s=worker.startup_s, groups=groups
+        worker=worker_pass.throughput(),
+        bare_llm=bare_pass.throughput(),
+        worker_startup_s=worker.startup_s,
+        groups=groups,
     )
+
+
+class _Timed:
+    """Times each call of a pass that returns the tokens it generated."""
+
+    def __init__(self, one_pass: Callable[[], int]) -> None:
+        self._one_pass = one_pass
+        self._tokens: list[int] = []
+        self._seconds: list[float] = []
+
+    def run(self) -> None:
+        began = time.perf_counter()
+        self._tokens.append(self._one_pass())
+        self._seconds.append(time.perf_counter() - began)
+
+    def throughput(self) -> Throughput:
+        return Throughput(tuple(self._tokens), tuple(self._seconds))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -249,6 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--groups", type=int, default=64)
     parser.add_argument("--passes", type=int, default=PASSES)
     args = parser.parse_args(argv)
+    if args.passes < 1:
+        parser.error(f"--passes: {args.passes} is not allowed; at least 1")
     config = load_config(args.config, args.set)
     result = compare_worker_to_bare_llm(config, args.groups, args.passes)
     print(f"groups {result.groups}, worker start-up {result.worker_startup_s:.1f} s")
