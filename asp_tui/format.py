@@ -171,6 +171,8 @@ def once_text(snapshot: Snapshot, endpoint: str = "") -> str:
         f"trainer   {snapshot.trainer.state}  reward {snapshot.trainer.reward_mean:.3f}  "
         f"loss {snapshot.trainer.loss:.4f}  iteration {snapshot.trainer.iteration_s:.2f}s  "
         f"{snapshot.trainer.samples_per_s:.1f} samples/s",
+        f"step path wait for batch {snapshot.trainer.wait_batch_s:.2f}s  "
+        f"train {snapshot.trainer.train_s:.2f}s  weight sync {snapshot.trainer.sync_s:.2f}s",
     ]
     for title, bubbles in (("window", snapshot.bubbles_window), ("run", snapshot.bubbles_total)):
         shares = normalised(bubbles)

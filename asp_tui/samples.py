@@ -76,6 +76,9 @@ def sample_snapshot(
             iteration_s=2.9 + 0.2 * wave,
             samples_per_s=88.0 + 5 * wave,
             tokens_per_s=21_000.0,
+            wait_batch_s=0.4 + 0.1 * wave,
+            train_s=2.3,
+            sync_s=0.2,
         ),
         bubbles_window={
             "useful": 0.58,

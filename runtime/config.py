@@ -97,6 +97,10 @@ class RestartConfig(_Section):
 
 class RolloutConfig(_Section):
     backend: Literal["vllm", "sim"] = "vllm"
+    engine: Literal["auto", "inproc", "async"] = "auto"
+    """``inproc``: vLLM's engine stepped inside the worker process (fastest on CPU hosts);
+    ``async``: ``AsyncLLM`` with its engine core in a process of its own (GPUs, tensor
+    parallelism); ``auto``: ``async`` where CUDA is available or an instance spans GPUs."""
     instances: PositiveInt | list[InstanceConfig] = 2
     max_num_seqs: PositiveInt = 16
     kv_cache_gib: PositiveFloat = 1.0
@@ -170,6 +174,30 @@ class TelemetryConfig(_Section):
     window_s: PositiveFloat = 10.0
 
 
+class ResourcesConfig(_Section):
+    """Overrides of the resource plan (``runtime/resources.py``); unset fields are derived."""
+
+    cpus: list[NonNegativeInt] | None = None
+    """Cores the run may use; default: every core this process may run on."""
+    engine_threads: PositiveInt | None = None
+    """Threads per vLLM engine; default: cores / (engines + trainer ranks)."""
+    trainer_threads: PositiveInt | None = None
+    """Threads per trainer rank; default as for engines."""
+    pin: bool | None = None
+    """Pin each process to cores of its own; default: when the threads fit in the cores."""
+
+    @field_validator("cpus")
+    @classmethod
+    def _cpus_known(cls, cpus: list[int] | None) -> list[int] | None:
+        if cpus is None:
+            return None
+        if not cpus:
+            raise ValueError("cpus: give at least one core, or leave it unset for all")
+        if len(set(cpus)) != len(cpus):
+            raise ValueError(f"cpus: {cpus} lists a core twice")
+        return sorted(cpus)
+
+
 class ControllerConfig(_Section):
     host: str = "127.0.0.1"
     """Bind address. Anything but loopback turns on CurveZMQ."""
@@ -187,6 +215,7 @@ class Config(_Section):
     async_: AsyncConfig = Field(AsyncConfig(), alias="async")
     telemetry: TelemetryConfig = TelemetryConfig()
     controller: ControllerConfig = ControllerConfig()
+    resources: ResourcesConfig = ResourcesConfig()
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
 

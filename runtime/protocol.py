@@ -169,6 +169,17 @@ class StepMetrics(msgspec.Struct, omit_defaults=True, kw_only=True):
     samples: int = 0
     response_length_mean: float = 0.0
     step_s: float = 0.0
+    """compute_s + publish_s: the trainer's own work for this step."""
+    compute_s: float = 0.0
+    """Forward, backward and optimizer step."""
+    publish_s: float = 0.0
+    """Writing the new weights for the workers."""
+    wait_batch_s: float = 0.0
+    """From asking for this step's batch to having it."""
+    wait_ack_s: float = 0.0
+    """The previous step: from StepDone to the controller's acknowledgment."""
+    checkpoint_s: float = 0.0
+    """The previous step's checkpoint (done while the controller forms this batch)."""
 
 
 class StepDone(_Message):
@@ -249,6 +260,11 @@ class TrainerSnapshot(msgspec.Struct, omit_defaults=True, kw_only=True):
     samples_per_s: float = 0.0
     tokens_per_s: float = 0.0
     waiting_s: float = 0.0
+    wait_batch_s: float = 0.0
+    """Last step's critical path: waiting for its batch, the trainer's own work (compute and
+    publish), and loading the previous weights on every instance."""
+    train_s: float = 0.0
+    sync_s: float = 0.0
 
 
 class Snapshot(_Message):

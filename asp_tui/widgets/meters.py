@@ -140,6 +140,12 @@ class TrainerMeter(Vertical):
             "samples": trainer.samples_per_s,
         }
         self.border_title = f"Trainer ({trainer.state})"
+        if trainer.train_s:
+            # Where the last step's wall time went: is the trainer starved, busy or syncing?
+            self.border_subtitle = (
+                f"wait {trainer.wait_batch_s:.2f} train {trainer.train_s:.2f} "
+                f"sync {trainer.sync_s:.2f}s"
+            )
         for key, template in self.ROWS:
             self.texts[key].update(template.format(values[key]), layout=False)
             _set_data(self.sparks[key], series[key])

@@ -46,6 +46,7 @@ from runtime.controller.sockets import bind_sockets
 from runtime.controller.state import ControllerState, load_state, save_state
 from runtime.controller.supervisor import Supervisor
 from runtime.controller.telemetry import BubbleWindows, Telemetry
+from runtime.resources import SIM_BACKEND, TRAINER, ResourcePlan, plan_resources, worker_name
 from runtime.rundir import Endpoints, JsonlWriter, RunDir, read_jsonl
 
 log = logging.getLogger(__name__)
@@ -53,8 +54,6 @@ log = logging.getLogger(__name__)
 ROLLOUT_TYPES = P.WorkerHello | P.Heartbeat | P.GroupDone | P.GroupAborted | P.WorkerAck
 TRAINER_TYPES = P.TrainerHello | P.BatchRequest | P.StepDone
 CONTROL_TYPES = P.Command
-SIM_BACKEND = "sim-backend"
-TRAINER = "trainer"
 
 
 @dataclass
@@ -164,6 +163,7 @@ class Controller:
         self._predicted_mean: dict[int, float] = {}
         self._observed_pairs: list[tuple[float, float]] = []
         self._sync_started_at: float | None = None
+        self.last_sync_s = 0.0
 
         self.accountant = BubbleAccountant(
             {i: inst.max_num_seqs for i, inst in self.instances.items()}, now
@@ -188,6 +188,7 @@ class Controller:
         self.metrics = JsonlWriter(self.rd.metrics)
         self.ledger = Ledger(self.rd.ledger)
         self.supervisor = Supervisor(self._on_child_exit, env=_child_env())
+        self.resources: ResourcePlan = plan_resources(cfg)
         self._tasks: list[asyncio.Task] = []
         self._restart_gen: dict[str, int] = {}
 
@@ -406,6 +407,7 @@ class Controller:
 
     async def _spawn_children(self) -> None:
         cfg = self.config
+        log.info("%s", self.resources.describe())
         root = str(self.rd.root)
         if self.sim:
             await self._spawn(
@@ -419,7 +421,8 @@ class Controller:
         await self._spawn(TRAINER, trainer_command(cfg, self.rd.root))
 
     async def _spawn(self, name: str, argv: list[str]) -> None:
-        child = await self.supervisor.spawn(name, argv, self.rd.log_file(name))
+        share = self.resources.share(name)
+        child = await self.supervisor.spawn(name, argv, self.rd.log_file(name), share)
         if name == SIM_BACKEND:
             started = list(self.instances.values())
         elif name.startswith("worker-"):
@@ -440,7 +443,7 @@ class Controller:
             "--instance-id",
             str(i),
         ]
-        await self._spawn(f"worker-{i}", argv)
+        await self._spawn(worker_name(i), argv)
 
     def _on_signal(self, name: str) -> None:
         if self.stopping:
@@ -891,7 +894,7 @@ class Controller:
 
     def _kill_instance_process(self, inst: Instance) -> None:
         if self.spawn and not self.sim:
-            self.supervisor.kill(f"worker-{inst.instance_id}")
+            self.supervisor.kill(worker_name(inst.instance_id))
 
     def _on_child_exit(self, name: str, code: int) -> None:
         now = time.time()
@@ -1205,6 +1208,12 @@ class Controller:
             "in_flight": gov.in_flight,
             "iteration_s": iteration,
             "step_s": msg.metrics.step_s,
+            "compute_s": msg.metrics.compute_s,
+            "publish_s": msg.metrics.publish_s,
+            "wait_batch_s": msg.metrics.wait_batch_s,
+            "wait_ack_s": msg.metrics.wait_ack_s,
+            "checkpoint_s": msg.metrics.checkpoint_s,
+            "sync_s": self.last_sync_s,
             "samples": samples,
             "tokens": tokens,
             "samples_per_s": samples / iteration,
@@ -1239,11 +1248,12 @@ class Controller:
             if inst.state in (RUNNING, SYNCING)
         ):
             self._sync_started_at = None
+            self.last_sync_s = time.time() - started
             self._event(
                 "weights",
-                f"weights v{v} loaded by every live instance in {time.time() - started:.2f}s",
+                f"weights v{v} loaded by every live instance in {self.last_sync_s:.2f}s",
                 version=v,
-                sync_s=time.time() - started,
+                sync_s=self.last_sync_s,
             )
 
     # ============================================================================ control plane
@@ -1314,7 +1324,7 @@ class Controller:
 
     def op_restart(self, inst: Instance) -> str:
         now = time.time()
-        name = SIM_BACKEND if self.sim else f"worker-{inst.instance_id}"
+        name = SIM_BACKEND if self.sim else worker_name(inst.instance_id)
         affected = list(self.instances.values()) if self.sim else [inst]
         for other in affected:
             other.ever_up = False
@@ -1413,7 +1423,7 @@ class Controller:
                 if now - inst.last_heartbeat > rcfg.heartbeat_timeout_s:
                     self._mark_down(inst, now, f"no heartbeat for {rcfg.heartbeat_timeout_s:.0f}s")
                     if self.spawn and not self.sim:
-                        self.supervisor.kill(f"worker-{inst.instance_id}")
+                        self.supervisor.kill(worker_name(inst.instance_id))
             elif (
                 inst.state == STARTING
                 and self.spawn
@@ -1426,7 +1436,7 @@ class Controller:
                     instance=inst.instance_id,
                 )
                 inst.state_since = now
-                self.supervisor.kill(f"worker-{inst.instance_id}")
+                self.supervisor.kill(worker_name(inst.instance_id))
 
     def snapshot(self) -> P.Snapshot:
         now = time.time()
@@ -1445,6 +1455,9 @@ class Controller:
             waiting_s=(now - self.trainer_waiting_since)
             if self.trainer_pending is not None and self.trainer_waiting_since
             else 0.0,
+            wait_batch_s=m.wait_batch_s if m else 0.0,
+            train_s=m.step_s if m else 0.0,
+            sync_s=self.last_sync_s,
         )
         rows = [
             P.InstanceSnapshot(

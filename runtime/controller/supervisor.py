@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from runtime.lifetime import die_with_parent
+from runtime.resources import Share
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +62,11 @@ class Supervisor:
         self.children: dict[str, Child] = {}
         atexit.register(self.kill_all_now)
 
-    async def spawn(self, name: str, argv: Sequence[str], log_path: Path) -> Child:
+    async def spawn(
+        self, name: str, argv: Sequence[str], log_path: Path, share: Share | None = None
+    ) -> Child:
+        """Start ``argv`` as child ``name``; ``share`` (from the resource plan) sets its threads
+        and, if it has cores of its own, its CPU affinity."""
         old = self.children.get(name)
         if old is not None and old.alive:
             raise RuntimeError(f"child {name} is still running (pid {old.pid})")
@@ -75,9 +80,9 @@ class Supervisor:
                 stdout=logf,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
-                preexec_fn=die_with_parent,  # runs in the child between fork and exec
+                preexec_fn=_child_setup(share),  # runs in the child between fork and exec
                 cwd=self.cwd,
-                env=self.env,
+                env=_with_share(self.env, share),
             )
         child = Child(name, list(argv), log_path, proc, time.time())
         child.watcher = asyncio.create_task(self._watch(child), name=f"watch-{name}")
@@ -147,6 +152,23 @@ class Supervisor:
     def close(self) -> None:
         self.kill_all_now()
         atexit.unregister(self.kill_all_now)
+
+
+def _with_share(env: dict[str, str] | None, share: Share | None) -> dict[str, str] | None:
+    if share is None:
+        return env
+    return {**(env if env is not None else os.environ), **share.env()}
+
+
+def _child_setup(share: Share | None) -> Callable[[], None]:
+    cpus = share.cpus if share is not None else None
+
+    def setup() -> None:
+        die_with_parent()
+        if cpus:
+            os.sched_setaffinity(0, cpus)
+
+    return setup
 
 
 def _killpg(pgid: int, sig: int) -> None:

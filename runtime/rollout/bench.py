@@ -187,7 +187,7 @@ class WorkerPath:
 
 
 def _bare_llm(config: Config, groups: int, seed: int) -> tuple[BareLLM, list[SamplingSpec]]:
-    from runtime.rollout.engine import BareLLM, EngineSpec, SamplingSpec
+    from runtime.rollout.engine import BareLLM, EngineSpec, SamplingSpec, resolve_engine_kind
     from runtime.tasks import ensure_model
 
     sampling = config.rollout.sampling
@@ -197,6 +197,7 @@ def _bare_llm(config: Config, groups: int, seed: int) -> tuple[BareLLM, list[Sam
         max_num_seqs=config.rollout.max_num_seqs_of(0),
         kv_cache_gib=config.rollout.kv_cache_gib,
         seed=config.run.seed,
+        engine=resolve_engine_kind(config.rollout.engine, 1),
     )
     specs = [
         SamplingSpec(

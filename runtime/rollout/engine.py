@@ -1,29 +1,42 @@
-"""A thin adapter over vLLM's ``AsyncLLM``: the only module of the project that imports vLLM.
+"""Thin adapters over vLLM: the only module of the project that imports vLLM.
 
-The rollout worker talks to ``RolloutEngine`` (generate a group, abort, pause, resume, update
+The rollout worker talks to a ``RolloutEngine`` (generate a group, abort, pause, resume, update
 weights) and never to vLLM, so vLLM's churn (its RL APIs changed three times in a year) stays in
-this file. Weight transport sits behind ``WeightSync``: ``FileWeightSync`` reloads a safetensors
-file in place through ``worker_extension_cls``; a GPU transport (vLLM's native weight-transfer
-engine over NCCL) is the second implementation of the same protocol, see ``make_weight_sync``.
+this file. Two engines implement it, chosen by ``EngineSpec.engine``:
+
+- ``InprocEngine`` steps vLLM's ``LLMEngine`` inside the worker process (uniprocess executor).
+  One process per instance and no IPC hop per decode step: on a CPU host whose cores are shared
+  by the engine and the trainer, this is twice the tokens/s of the multi-process engine for a
+  small model, and it sleeps when it has no work (the engine-core busy loop does not exist).
+- ``AsyncEngine`` runs ``AsyncLLM``, whose engine core is its own process: on GPUs the scheduling
+  overlaps the forward pass, and tensor parallelism needs it.
+
+Weight transport sits behind ``WeightSync``: ``FileWeightSync`` reloads a safetensors file in place
+through ``worker_extension_cls``; a GPU transport (vLLM's native weight-transfer engine over NCCL)
+is the second implementation of the same protocol, see ``make_weight_sync``.
 
 Weight versions: the engine labels every output token with the version that sampled it
-(``AsyncLLM.update_weight_version``; outputs carry ``weight_versions`` spans), so a sample that
-lived through an in-flight (``keep``) update reports the exact span ``version_min..version_max``.
+(``set_weight_version``; outputs carry ``weight_versions`` spans), so a sample that lived through
+an in-flight (``keep``) update reports the exact span ``version_min..version_max``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import os
 import time
-from collections.abc import Iterable, Sequence
+from abc import ABC, abstractmethod
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal, Protocol
 
 import numpy as np
 from vllm import SamplingParams
-from vllm.engine.arg_utils import AsyncEngineArgs
+from vllm.engine.arg_utils import AsyncEngineArgs, EngineArgs
 from vllm.sampling_params import RequestOutputKind
 from vllm.v1.engine.async_llm import AsyncLLM
+from vllm.v1.engine.llm_engine import LLMEngine
 
 log = logging.getLogger(__name__)
 
@@ -31,6 +44,7 @@ PauseMode = Literal["keep", "wait", "abort"]
 UpdateMode = Literal["boundary", "keep"]
 PAUSE_MODES: tuple[str, ...] = ("keep", "wait", "abort")
 UPDATE_MODES: tuple[str, ...] = ("boundary", "keep")
+ENGINE_KINDS: tuple[str, ...] = ("inproc", "async")
 
 EXTENSION_CLS = "runtime.rollout.weight_extension.WeightReloadExtension"
 _GIB = 1 << 30
@@ -50,6 +64,8 @@ class EngineSpec:
     weight_sync: str = "file"
     enforce_eager: bool = True
     """CPU runs eagerly (torch.compile costs minutes on 2 cores); GPUs may turn it off."""
+    engine: str = "inproc"
+    """``inproc`` (``LLMEngine`` in the worker process) or ``async`` (``AsyncLLM``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,17 +94,21 @@ class Sample:
     finished_at: float
 
 
+WorkerCall = Callable[..., Awaitable[list[Any]]]
+"""``call_workers(method, *args)``: run a worker-extension method on every vLLM worker."""
+
+
 class WeightSync(Protocol):
     """Moves one published weight version into a running engine (the engine is paused)."""
 
-    async def load(self, llm: AsyncLLM, version: int, path: str) -> None: ...
+    async def load(self, call_workers: WorkerCall, version: int, path: str) -> None: ...
 
 
 class FileWeightSync:
     """Reload a safetensors file in place on every vLLM worker (CPU and GPU, one host)."""
 
-    async def load(self, llm: AsyncLLM, version: int, path: str) -> None:
-        counts = await llm.collective_rpc("reload_weights_from", args=(path,))
+    async def load(self, call_workers: WorkerCall, version: int, path: str) -> None:
+        counts = await call_workers("reload_weights_from", path)
         if not counts or min(counts) == 0:
             raise RuntimeError(f"weights file {path} held no tensors (per worker: {counts})")
 
@@ -122,16 +142,48 @@ class _Stream:
     counted: dict[int, int] = field(default_factory=dict)
 
 
-class RolloutEngine:
-    """One vLLM ``AsyncLLM`` with the operations a rollout worker needs.
+def _engine_args(spec: EngineSpec) -> dict[str, Any]:
+    """The vLLM engine arguments both engines (and ``BareLLM``) share."""
+    return {
+        "model": spec.model,
+        "dtype": spec.dtype,
+        "max_num_seqs": spec.max_num_seqs,
+        "seed": spec.seed,
+        "tensor_parallel_size": spec.tensor_parallel_size,
+        "max_model_len": spec.max_model_len,
+        "enforce_eager": spec.enforce_eager,
+        "kv_cache_memory_bytes": int(spec.kv_cache_gib * _GIB),
+        # The sampled token's log-prob under the temperature/top-p distribution, which is
+        # what the trainer's importance ratio compares against.
+        "logprobs_mode": "processed_logprobs",
+        "disable_log_stats": True,
+    }
 
-    Construct with ``await RolloutEngine.start(spec)`` from the main thread: vLLM starts its
-    engine-core process from the calling thread, and a parent-death signal armed in that child
-    fires when the *thread* that created it ends.
+
+def _sampling_params(sampling: SamplingSpec, output_kind: Any = None) -> SamplingParams:
+    extra = {} if output_kind is None else {"output_kind": output_kind}
+    return SamplingParams(
+        n=sampling.n,
+        max_tokens=sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        seed=sampling.seed,
+        logprobs=0,  # only the sampled token's log-prob
+        flat_logprobs=True,  # a few flat lists per request instead of a dict per token
+        detokenize=False,  # rewards decode with the task's tokenizer; no stop strings
+        **extra,
+    )
+
+
+class RolloutEngine(ABC):
+    """One vLLM engine with the operations a rollout worker needs.
+
+    Construct with ``await start_engine(spec)`` from the main thread: a multi-process engine
+    starts its engine-core process from the calling thread, and a parent-death signal armed in
+    that child fires when the *thread* that created it ends.
     """
 
-    def __init__(self, llm: AsyncLLM, spec: EngineSpec, weight_sync: WeightSync) -> None:
-        self._llm = llm
+    def __init__(self, spec: EngineSpec, weight_sync: WeightSync) -> None:
         self.spec = spec
         self._weight_sync = weight_sync
         self.weight_version = 0
@@ -139,29 +191,41 @@ class RolloutEngine:
         self._streams: dict[str, _Stream] = {}
         self._paused = False
 
-    @classmethod
-    async def start(cls, spec: EngineSpec, weight_version: int = 0) -> RolloutEngine:
-        weight_sync = make_weight_sync(spec.weight_sync)
-        args = AsyncEngineArgs(
-            model=spec.model,
-            dtype=spec.dtype,  # type: ignore[arg-type]
-            max_num_seqs=spec.max_num_seqs,
-            seed=spec.seed,
-            tensor_parallel_size=spec.tensor_parallel_size,
-            max_model_len=spec.max_model_len,  # type: ignore[arg-type]
-            enforce_eager=spec.enforce_eager,
-            kv_cache_memory_bytes=int(spec.kv_cache_gib * _GIB),
-            # The sampled token's log-prob under the temperature/top-p distribution, which is
-            # what the trainer's importance ratio compares against.
-            logprobs_mode="processed_logprobs",
-            worker_extension_cls=EXTENSION_CLS,
-            disable_log_stats=True,
-        )
-        llm = AsyncLLM.from_engine_args(args)
-        engine = cls(llm, spec, weight_sync)
-        engine.weight_version = weight_version
-        await llm.update_weight_version(str(weight_version))
-        return engine
+    # --- what each engine provides -------------------------------------------------------------
+
+    @abstractmethod
+    def _outputs(
+        self, request_id: str, prompt: dict[str, Any], params: SamplingParams
+    ) -> AsyncIterator[Any]:
+        """The request's cumulative ``RequestOutput`` updates, until it finishes or is aborted."""
+
+    @abstractmethod
+    async def _abort(self, request_ids: list[str]) -> None: ...
+
+    @abstractmethod
+    async def _pause(self, mode: PauseMode, clear_cache: bool) -> None: ...
+
+    @abstractmethod
+    async def _resume(self) -> None: ...
+
+    @abstractmethod
+    async def _reset_prefix_cache(self) -> bool:
+        """Drop cached KV, preempting running requests (recomputed when they resume)."""
+
+    @abstractmethod
+    async def _set_weight_version(self, version: int) -> None: ...
+
+    @abstractmethod
+    async def call_workers(self, method: str, *args: Any) -> list[Any]:
+        """Run a ``WeightReloadExtension`` method on every vLLM worker."""
+
+    @property
+    @abstractmethod
+    def errored(self) -> bool: ...
+
+    @abstractmethod
+    def shutdown(self) -> None:
+        """Stop the engine and its workers (idempotent)."""
 
     # --- state -------------------------------------------------------------------------------
 
@@ -174,10 +238,6 @@ class RolloutEngine:
     def paused(self) -> bool:
         return self._paused
 
-    @property
-    def errored(self) -> bool:
-        return bool(self._llm.errored)
-
     # --- generation --------------------------------------------------------------------------
 
     async def generate(
@@ -188,25 +248,15 @@ class RolloutEngine:
         An aborted request (``abort``, or ``pause("abort")``) still returns: its samples carry
         the tokens made so far and ``finish_reason == "abort"``.
         """
-        params = SamplingParams(
-            n=sampling.n,
-            max_tokens=sampling.max_tokens,
-            temperature=sampling.temperature,
-            top_p=sampling.top_p,
-            seed=sampling.seed,
-            logprobs=0,  # only the sampled token's log-prob
-            flat_logprobs=True,  # a few flat lists per request instead of a dict per token
-            detokenize=False,  # rewards decode with the task's tokenizer; no stop strings
-            # CUMULATIVE: each update carries the child's growing token list by reference, so
-            # progress (tokens, per-sample finish time) costs a len() per step.
-            output_kind=RequestOutputKind.CUMULATIVE,
-        )
+        # CUMULATIVE: each update carries the child's growing token list by reference, so
+        # progress (tokens, per-sample finish time) costs a len() per step.
+        params = _sampling_params(sampling, RequestOutputKind.CUMULATIVE)
         prompt = {"prompt_token_ids": list(map(int, prompt_token_ids))}
         start_version = self.weight_version
         stream = _Stream(sampling.n)
         self._streams[request_id] = stream
         try:
-            async for output in self._llm.generate(prompt, params, request_id=request_id):
+            async for output in self._outputs(request_id, prompt, params):
                 now = time.time()
                 for completion in output.outputs:
                     index = completion.index
@@ -229,7 +279,7 @@ class RolloutEngine:
         """Abort requests; their ``generate`` calls return with ``finish_reason == "abort"``."""
         ids = [rid for rid in request_ids if rid in self._streams]
         if ids:
-            await self._llm.abort(ids)
+            await self._abort(ids)
 
     # --- pause, resume, weights --------------------------------------------------------------
 
@@ -239,49 +289,238 @@ class RolloutEngine:
         if mode not in PAUSE_MODES:
             raise ValueError(f"pause mode {mode!r} is not one of {PAUSE_MODES}")
         # keep: leave the frozen requests' KV alone; the cache is cleared on weight updates.
-        await self._llm.pause_generation(mode=mode, clear_cache=mode != "keep")
+        await self._pause(mode, clear_cache=mode != "keep")
         self._paused = True
 
     async def resume(self) -> None:
-        await self._llm.resume_generation()
+        await self._resume()
         self._paused = False
 
     async def update_weights(self, version: int, path: str, mode: UpdateMode) -> float:
         """Load weight ``version`` from ``path``; returns the seconds the engine was held.
 
-        ``boundary``: in-flight requests finish on the old weights (vLLM pause ``wait``), then
-        the reload. ``keep``: in-flight requests freeze (pause ``keep``), the reload happens
-        under them, and they continue on the new weights; their KV is dropped so the tokens
-        after the update are computed from the new weights only. Either way the prefix cache is
-        reset, so no later request reuses KV from old weights. Requests submitted meanwhile
-        queue inside vLLM and start on the new weights. On an engine the operator paused, the
-        update applies at once and the engine stays paused.
+        ``boundary``: in-flight requests finish on the old weights (pause ``wait``), then the
+        reload. ``keep``: in-flight requests freeze (pause ``keep``), the reload happens under
+        them, and they continue on the new weights; their KV is dropped so the tokens after the
+        update are computed from the new weights only. Either way the prefix cache is reset,
+        so no later request reuses KV from old weights. Requests submitted meanwhile queue and
+        start on the new weights. On an engine the operator paused, the update applies at once
+        and the engine stays paused.
         """
         if mode not in UPDATE_MODES:
             raise ValueError(f"update mode {mode!r} is not one of {UPDATE_MODES}")
         held_since = time.perf_counter()
         was_paused = self._paused
         if not was_paused:
-            await self._llm.pause_generation(
-                mode="wait" if mode == "boundary" else "keep", clear_cache=True
-            )
-        await self._weight_sync.load(self._llm, version, path)
+            await self._pause("wait" if mode == "boundary" else "keep", clear_cache=True)
+        await self._weight_sync.load(self.call_workers, version, path)
         # Preempts any frozen request (recomputed on resume), so the reset cannot be refused.
-        if not await self._llm.reset_prefix_cache(reset_running_requests=True):
+        if not await self._reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
-        await self._llm.update_weight_version(str(version))
+        await self._set_weight_version(version)
         self.weight_version = version
         if not was_paused:
-            await self._llm.resume_generation()
+            await self._resume()
         return time.perf_counter() - held_since
 
+
+class AsyncEngine(RolloutEngine):
+    """``AsyncLLM``: the engine core runs in its own process (GPUs, tensor parallelism)."""
+
+    def __init__(self, llm: AsyncLLM, spec: EngineSpec, weight_sync: WeightSync) -> None:
+        super().__init__(spec, weight_sync)
+        self._llm = llm
+
+    @classmethod
+    def create(cls, spec: EngineSpec, weight_sync: WeightSync) -> AsyncEngine:
+        args = AsyncEngineArgs(**_engine_args(spec), worker_extension_cls=EXTENSION_CLS)
+        return cls(AsyncLLM.from_engine_args(args), spec, weight_sync)
+
+    def _outputs(
+        self, request_id: str, prompt: dict[str, Any], params: SamplingParams
+    ) -> AsyncIterator[Any]:
+        return self._llm.generate(prompt, params, request_id=request_id)
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        await self._llm.abort(request_ids)
+
+    async def _pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        await self._llm.pause_generation(mode=mode, clear_cache=clear_cache)
+
+    async def _resume(self) -> None:
+        await self._llm.resume_generation()
+
+    async def _reset_prefix_cache(self) -> bool:
+        return await self._llm.reset_prefix_cache(reset_running_requests=True)
+
+    async def _set_weight_version(self, version: int) -> None:
+        await self._llm.update_weight_version(str(version))
+
     async def call_workers(self, method: str, *args: Any) -> list[Any]:
-        """Run a ``WeightReloadExtension`` method on every vLLM worker (tests, diagnostics)."""
         return await self._llm.collective_rpc(method, args=args)
 
+    @property
+    def errored(self) -> bool:
+        return bool(self._llm.errored)
+
     def shutdown(self) -> None:
-        """Stop the engine core and its workers (idempotent)."""
         self._llm.shutdown()
+
+
+_FINISHED = object()
+"""Ends a request's output queue in ``InprocEngine``."""
+
+
+class InprocEngine(RolloutEngine):
+    """``LLMEngine`` stepped by an asyncio task in this process, with a uniprocess executor.
+
+    One decode step runs at a time on the event loop, between the worker's messages; with no
+    request to step (idle, or paused in ``keep``) the task waits on an event and uses no CPU.
+    Pausing is ours to do: requests submitted while paused are held here, and a ``keep`` pause
+    simply stops stepping.
+    """
+
+    def __init__(self, llm: LLMEngine, spec: EngineSpec, weight_sync: WeightSync) -> None:
+        super().__init__(spec, weight_sync)
+        self._llm = llm
+        self._queues: dict[str, asyncio.Queue[Any]] = {}
+        self._held: list[tuple[str, dict[str, Any], SamplingParams]] = []
+        self._accepting = True
+        self._stepping = True
+        self._work = asyncio.Event()
+        self._drained = asyncio.Event()
+        self._drained.set()
+        self._failure: BaseException | None = None
+        self._loop_task = asyncio.create_task(self._step_loop(), name="vllm-steps")
+
+    @classmethod
+    def create(cls, spec: EngineSpec, weight_sync: WeightSync) -> InprocEngine:
+        args = EngineArgs(
+            **_engine_args(spec),
+            worker_extension_cls=EXTENSION_CLS,
+            distributed_executor_backend="uni",
+        )
+        return cls(
+            LLMEngine.from_engine_args(args, enable_multiprocessing=False), spec, weight_sync
+        )
+
+    async def _step_loop(self) -> None:
+        llm = self._llm
+        try:
+            while True:
+                if not (self._stepping and llm.has_unfinished_requests()):
+                    self._drained.set()
+                    self._work.clear()
+                    await self._work.wait()
+                    continue
+                self._drained.clear()
+                for output in llm.step():
+                    queue = self._queues.get(output.request_id)
+                    if queue is not None:
+                        queue.put_nowait(output)
+                        if output.finished:
+                            queue.put_nowait(_FINISHED)
+                # Let the worker read its socket between decode steps.
+                await asyncio.sleep(0)
+        except Exception as exc:
+            log.exception("the vLLM engine failed")
+            self._failure = exc
+            for queue in self._queues.values():
+                queue.put_nowait(_FINISHED)
+            self._drained.set()
+
+    def _add(self, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> None:
+        self._llm.add_request(request_id, prompt, params)
+        self._work.set()
+
+    async def _outputs(
+        self, request_id: str, prompt: dict[str, Any], params: SamplingParams
+    ) -> AsyncIterator[Any]:
+        if self._failure is not None:
+            raise RuntimeError(f"the vLLM engine failed: {self._failure}")
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[request_id] = queue
+        try:
+            if self._accepting:
+                self._add(request_id, prompt, params)
+            else:
+                self._held.append((request_id, prompt, params))
+            while (output := await queue.get()) is not _FINISHED:
+                yield output
+        finally:
+            del self._queues[request_id]
+
+    async def _abort(self, request_ids: list[str]) -> None:
+        held = self._held_ids()
+        self._held = [h for h in self._held if h[0] not in request_ids]
+        live = [rid for rid in request_ids if rid not in held]
+        if live:
+            self._llm.abort_request(live)
+        for rid in request_ids:
+            queue = self._queues.get(rid)
+            if queue is not None:
+                queue.put_nowait(_FINISHED)
+
+    async def _pause(self, mode: PauseMode, clear_cache: bool) -> None:
+        self._accepting = False
+        if mode == "keep":
+            self._stepping = False
+        elif mode == "abort":
+            await self._abort([rid for rid in self._queues if rid not in self._held_ids()])
+        else:
+            self._work.set()
+            await self._drained.wait()
+        if clear_cache:
+            self._llm.reset_prefix_cache()
+
+    def _held_ids(self) -> set[str]:
+        return {rid for rid, _, _ in self._held}
+
+    async def _resume(self) -> None:
+        self._accepting = self._stepping = True
+        held, self._held = self._held, []
+        for request_id, prompt, params in held:
+            self._add(request_id, prompt, params)
+        self._work.set()
+
+    async def _reset_prefix_cache(self) -> bool:
+        return self._llm.reset_prefix_cache(reset_running_requests=True)
+
+    async def _set_weight_version(self, version: int) -> None:
+        self._llm.set_weight_version(str(version))
+
+    async def call_workers(self, method: str, *args: Any) -> list[Any]:
+        return self._llm.collective_rpc(method, args=args)
+
+    @property
+    def errored(self) -> bool:
+        return self._failure is not None
+
+    def shutdown(self) -> None:
+        self._loop_task.cancel()
+        self._llm.engine_core.shutdown()
+
+
+def resolve_engine_kind(configured: str, tensor_parallel_size: int) -> str:
+    """``rollout.engine: auto`` -> ``async`` where CUDA is available or an instance spans
+    several devices, ``inproc`` otherwise; an explicit choice stands."""
+    if configured != "auto":
+        return configured
+    import torch
+
+    return "async" if tensor_parallel_size > 1 or torch.cuda.is_available() else "inproc"
+
+
+async def start_engine(spec: EngineSpec, weight_version: int = 0) -> RolloutEngine:
+    """Start the engine ``spec.engine`` names, at ``weight_version``."""
+    if spec.engine not in ENGINE_KINDS:
+        raise ValueError(f"rollout.engine: {spec.engine!r} is not one of {ENGINE_KINDS}")
+    weight_sync = make_weight_sync(spec.weight_sync)
+    kind = InprocEngine if spec.engine == "inproc" else AsyncEngine
+    engine = kind.create(spec, weight_sync)
+    await engine._set_weight_version(weight_version)
+    engine.weight_version = weight_version
+    return engine
 
 
 def _to_sample(completion: Any, start_version: int, end_version: int, finished_at: float) -> Sample:
@@ -327,33 +566,15 @@ class BareLLM:
     def __init__(self, spec: EngineSpec) -> None:
         from vllm import LLM
 
-        self._llm = LLM(
-            model=spec.model,
-            dtype=spec.dtype,
-            max_num_seqs=spec.max_num_seqs,
-            seed=spec.seed,
-            tensor_parallel_size=spec.tensor_parallel_size,
-            max_model_len=spec.max_model_len,
-            enforce_eager=spec.enforce_eager,
-            kv_cache_memory_bytes=int(spec.kv_cache_gib * _GIB),
-            logprobs_mode="processed_logprobs",
-            disable_log_stats=True,
-        )
+        if spec.engine == "inproc":
+            # vllm.LLM reads this when it builds its engine: step the core in this process.
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+            self._llm = LLM(**_engine_args(spec), distributed_executor_backend="uni")
+        else:
+            self._llm = LLM(**_engine_args(spec))
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingSpec]) -> int:
-        params = [
-            SamplingParams(
-                n=s.n,
-                max_tokens=s.max_tokens,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                seed=s.seed,
-                logprobs=0,
-                flat_logprobs=True,
-                detokenize=False,
-            )
-            for s in sampling
-        ]
+        params = [_sampling_params(s) for s in sampling]
         inputs = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
         outputs = self._llm.generate(inputs, params, use_tqdm=False)
         return sum(len(c.token_ids) for o in outputs for c in o.outputs)

@@ -388,8 +388,10 @@ def _log_to(path: Path) -> None:
 
 async def serve(run_dir: Path, instance_id: int) -> int:
     """Start the engine for ``instance_id`` of the run in ``run_dir`` and serve until told."""
+    import torch
+
     from runtime.config import ConfigError, read_run_config
-    from runtime.rollout.engine import EngineSpec, RolloutEngine
+    from runtime.rollout.engine import EngineSpec, resolve_engine_kind, start_engine
     from runtime.rundir import RunDir
     from runtime.tasks import build_task, ensure_model, load_tokenizer
 
@@ -414,7 +416,7 @@ async def serve(run_dir: Path, instance_id: int) -> int:
     engine = None
     try:
         started = time.perf_counter()
-        engine = await RolloutEngine.start(
+        engine = await start_engine(
             EngineSpec(
                 model=model,
                 dtype=config.model.dtype,
@@ -423,9 +425,16 @@ async def serve(run_dir: Path, instance_id: int) -> int:
                 seed=config.run.seed + instance_id,
                 tensor_parallel_size=instance.tensor_parallel_size,
                 weight_sync=config.async_.weight_sync,
+                engine=resolve_engine_kind(config.rollout.engine, instance.tensor_parallel_size),
             )
         )
-        log.info("engine for %s up in %.1f s", model, time.perf_counter() - started)
+        log.info(
+            "%s engine for %s up in %.1f s (%d torch threads)",
+            engine.spec.engine,
+            model,
+            time.perf_counter() - started,
+            torch.get_num_threads(),
+        )
         worker = RolloutWorker(
             instance_id,
             engine,

@@ -3,12 +3,14 @@
 Message flow on the trainer socket (rank 0's DEALER, identity ``b"trainer"``):
 
     -> TrainerHello(num_processes, weight_version, pid)
+    -> BatchRequest(version)
     loop:
-      -> BatchRequest(version)
       <- Batch(version, groups) | Shutdown
       (all ranks: one GRPO step; rank 0 writes weights v+1)
       -> StepDone(version + 1, weights_path, metrics)
+      -> BatchRequest(version + 1)
       <- TrainerAck | Shutdown
+      (all ranks: a checkpoint when one is due)
 
 Rank 0 broadcasts what it received to the other ranks with ``torch.distributed`` (the raw
 msgpack frames as ``bytes``, decoded again on each rank, so no custom object is pickled). While it
@@ -24,6 +26,7 @@ import os
 import signal
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -111,6 +114,18 @@ class ControllerLink:
         self.context.term()
 
 
+@dataclass(slots=True)
+class _Timing:
+    """Where one step's wall time went outside its own compute (see ``StepMetrics``)."""
+
+    acknowledge: bool = False
+    """A StepDone is out and its acknowledgment not yet read."""
+    reported_at: float = 0.0
+    wait_ack_s: float = 0.0
+    checkpoint_s: float = 0.0
+    wait_batch_s: float = 0.0
+
+
 class TrainerProcess:
     """Runs the message loop around a ``Trainer`` on every rank."""
 
@@ -175,7 +190,12 @@ class TrainerProcess:
     # --- the loop -----------------------------------------------------------------------------
 
     def run(self) -> str:
-        """Serve batches until Shutdown or a signal; returns the reason."""
+        """Serve batches until Shutdown or a signal; returns the reason.
+
+        The next batch is asked for as soon as a step is reported, so the controller forms it
+        while this rank waits for the acknowledgment and writes any checkpoint: neither sits
+        on the critical path between two steps.
+        """
         trainer = self.trainer
         self.stop.install()
         if self.link is not None:
@@ -186,34 +206,40 @@ class TrainerProcess:
                     pid=os.getpid(),
                 )
             )
+        timing = _Timing()
         while True:
             if self.link is not None:
                 self.link.send(BatchRequest(version=trainer.version))
+            asked_at = time.perf_counter()
+            if timing.acknowledge:
+                kind, value = self.receive(TrainerAck)
+                if kind == "shutdown":
+                    return self._shutdown(value)
+                timing.wait_ack_s = time.perf_counter() - timing.reported_at
+                if not value.ok:
+                    log.warning(
+                        "controller acknowledged step %d with: %s", trainer.version, value.detail
+                    )
+                timing.acknowledge = False
+                if self.config.trainer.checkpoint_every and (
+                    trainer.version % self.config.trainer.checkpoint_every == 0
+                ):
+                    timing.checkpoint_s = self._checkpoint()
             kind, value = self.receive(Batch)
             if kind == "shutdown":
                 return self._shutdown(value)
             batch: Batch = value
+            timing.wait_batch_s = time.perf_counter() - asked_at
             if batch.version != trainer.version:
                 log.warning(
                     "batch is for version %d, trainer is at %d; training on it anyway",
                     batch.version,
                     trainer.version,
                 )
-            if not self._step(batch):
-                continue
-            if self.config.trainer.checkpoint_every and (
-                trainer.version % self.config.trainer.checkpoint_every == 0
-            ):
-                self._checkpoint()
-            kind, value = self.receive(TrainerAck)
-            if kind == "shutdown":
-                return self._shutdown(value)
-            if not value.ok:
-                log.warning(
-                    "controller acknowledged step %d with: %s", trainer.version, value.detail
-                )
+            if self._step(batch, timing):
+                timing = _Timing(acknowledge=True, reported_at=time.perf_counter())
 
-    def _step(self, batch: Batch) -> bool:
+    def _step(self, batch: Batch, timing: _Timing) -> bool:
         trainer = self.trainer
         try:
             result = trainer.step(batch)
@@ -225,7 +251,12 @@ class TrainerProcess:
         publish_started = time.perf_counter()
         path = trainer.publish()
         metrics = result.metrics
-        metrics.step_s += time.perf_counter() - publish_started
+        metrics.compute_s = metrics.step_s
+        metrics.publish_s = time.perf_counter() - publish_started
+        metrics.step_s = metrics.compute_s + metrics.publish_s
+        metrics.wait_batch_s = timing.wait_batch_s
+        metrics.wait_ack_s = timing.wait_ack_s
+        metrics.checkpoint_s = timing.checkpoint_s
         log.info(
             "rank %d trained on %d samples (%d tokens) of %d",
             trainer.rank,
@@ -262,11 +293,14 @@ class TrainerProcess:
             )
         return True
 
-    def _checkpoint(self) -> None:
+    def _checkpoint(self) -> float:
+        """Save a checkpoint; returns the seconds it took."""
         started = time.perf_counter()
         path = self.trainer.save_checkpoint()
         self.checkpointed_version = self.trainer.version
-        log.info("checkpoint %s in %.2fs", path, time.perf_counter() - started)
+        took = time.perf_counter() - started
+        log.info("checkpoint %s in %.2fs", path, took)
+        return took
 
     def _shutdown(self, reason: str) -> str:
         log.info("shutting down at version %d: %s", self.trainer.version, reason)
