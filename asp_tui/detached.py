@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from rich.console import Console
 
-from asp_tui.headless import prepare_model_with_status
+from asp_tui.headless import prepare_model_with_status, print_resource_plan
 from runtime.config import Config
 from runtime.launcher import RunAlreadyLive, prepare_run, start_controller, wait_for_endpoints
 
@@ -14,6 +14,7 @@ def start_and_attach(config: Config, *, readonly: bool, render_hz: float | None 
     from asp_tui.attach import attach
 
     console = Console()
+    print_resource_plan(config, console)
     try:
         run_dir = prepare_run(config)
     except RunAlreadyLive:

@@ -16,6 +16,7 @@ from runtime.launcher import (
     start_controller,
     wait_for_endpoints,
 )
+from runtime.resources import plan_resources
 from runtime.rundir import JsonlTail, RunDir
 
 _EVENTS_SHOWN = {"command", "instance", "discard", "run", "lag_bound"}
@@ -44,6 +45,7 @@ def format_event(record: dict[str, Any]) -> str:
 
 def run_headless(config: Config) -> int:
     console = Console()
+    print_resource_plan(config, console)
     run_dir = prepare_run(config)
     console.print(f"run [bold]{config.run.name}[/] in {run_dir.root}")
     prepare_model_with_status(config, console)
@@ -70,6 +72,11 @@ def run_headless(config: Config) -> int:
     else:
         console.print(f"[bold red]the controller exited with code {code}[/]; see {run_dir.logs}")
     return code
+
+
+def print_resource_plan(config: Config, console: Console) -> None:
+    """Show each process's threads and cores (a bad ``resources`` section fails here, exit 2)."""
+    console.print(plan_resources(config).describe(), style="dim", highlight=False)
 
 
 def prepare_model_with_status(config: Config, console: Console) -> None:
