@@ -1,4 +1,4 @@
-"""Side by side with TRL (issue #9): TRL's ``GRPOTrainer`` against our pipeline, same everything.
+"""Side by side with TRL (issue #9): TRL's ``GRPOTrainer`` and our pipeline on the same work.
 
 Both sides train the same warm-started model (``runtime.tasks.ensure_model``) on the same task
 prompts (same token ids as our workers get), with the same reward (``task.reward``: for
@@ -7,13 +7,15 @@ n samples a step), max tokens, temperature, learning rate and step count, all re
 run config. Runs alternate, peer, ours, peer, ours, ..., each in a fresh process so that they
 never overlap. TRL keeps its own defaults otherwise (loss type, reward scaling, bf16 autocast,
 gradient checkpointing, lr schedule, ``transformers`` generation): the peer is not tuned down.
+(TRL's vLLM path is left off, as by default; TRL 1.16 supports vLLM 0.22..0.31, not our 0.32.)
 
 Then two references for our pipeline, each in a process of its own: bare ``vllm.LLM.generate``
 on the same prompts (``BareLLM``: the physical limit of generation here) and the trainer's step
 time on a same-sized synthetic batch (``runtime.trainer.synthetic``).
 
-Steady state is steps 5..N; rewards are compared over the first and the last 5 steps. Numbers
-on shared cores are noisy: read the ratios, and the medians over runs.
+Steady state is steps 5..N; rewards are compared over the first and the last 5 steps; "wall s"
+is a whole process, start-up included. Numbers on shared cores are noisy: read the ratios (also
+run by run: run k of each side saw about the same machine) and the medians over runs.
 
     .venv/bin/python bench/peer.py [--runs 3] [--steps 30] [--config configs/tiny.yaml]
         [--set key=value ...] [--skip-peer] [--skip-ours] [--json results.json]
@@ -26,6 +28,7 @@ import enum
 import json
 import math
 import os
+import shutil
 import signal
 import statistics
 import subprocess
@@ -248,7 +251,9 @@ def _tail(path: Path, lines: int = 30) -> str:
         return "(no log)"
 
 
-def run_child(command: list[str], log: Path, timeout_s: float, graceful: bool = False) -> float:
+def run_child(
+    name: str, command: list[str], log: Path, timeout_s: float, graceful: bool = False
+) -> float:
     """Run ``command`` from the repo root, output into ``log``; its wall seconds.
 
     A new session, so that a timeout or Ctrl-C stops its grandchildren (vLLM's engine core) too.
@@ -269,13 +274,13 @@ def run_child(command: list[str], log: Path, timeout_s: float, graceful: bool = 
         except subprocess.TimeoutExpired:
             _stop(proc, graceful)
             raise RuntimeError(
-                f"{command[2:4]} ran past {timeout_s:.0f} s; log {log}:\n{_tail(log)}"
+                f"{name} ran past {timeout_s:.0f} s; log {log}:\n{_tail(log)}"
             ) from None
         except BaseException:
             _stop(proc, graceful)
             raise
     if code != 0:
-        raise RuntimeError(f"{' '.join(command[1:5])} ... exited {code}; log {log}:\n{_tail(log)}")
+        raise RuntimeError(f"{name} exited {code}; log {log}:\n{_tail(log)}")
     return time.perf_counter() - began
 
 
@@ -296,6 +301,7 @@ def _child_command(kind: str, config_file: Path, result: Path, *extra: str) -> l
 def run_peer(scratch: Path, config_file: Path, steps: int, number: int, timeout_s: float) -> Run:
     result = scratch / f"peer-{number}.json"
     wall = run_child(
+        f"peer run {number}",
         _child_command("peer", config_file, result, "--steps", str(steps)),
         scratch / f"peer-{number}.log",
         timeout_s,
@@ -328,7 +334,9 @@ def run_ours(
         str(run_dir),
     ]
     try:
-        wall = run_child(command, scratch / f"ours-{number}.log", timeout_s, graceful=True)
+        wall = run_child(
+            f"our run {number}", command, scratch / f"ours-{number}.log", timeout_s, graceful=True
+        )
     finally:
         _stop_leftover_run(run_dir)
     records = [r for r in read_jsonl(RunDir(run_dir).metrics) if r.get("event") == "step"]
@@ -352,14 +360,10 @@ def _stop_leftover_run(run_dir: Path) -> None:
     """If the headless client died without stopping its controller, stop the run cleanly."""
     from runtime.rundir import RunDir
 
-    endpoints = RunDir(run_dir).root / "endpoints.json"
-    if not endpoints.is_file():
-        return
     try:
-        pid = int(json.loads(endpoints.read_text()).get("controller_pid", 0))
-        os.kill(pid, 0)
-    except (OSError, ValueError, TypeError):
-        return  # no controller left
+        os.kill(RunDir(run_dir).read_endpoints().controller_pid, 0)
+    except (OSError, ValueError):
+        return  # never started, or no controller left
     subprocess.run(
         [sys.executable, "-m", "asp_tui.cli", "stop", str(run_dir), "--timeout", "120"],
         cwd=REPO,
@@ -372,6 +376,7 @@ def _stop_leftover_run(run_dir: Path) -> None:
 def run_bare(scratch: Path, config_file: Path, groups: int, timeout_s: float) -> dict[str, Any]:
     result = scratch / "bare.json"
     wall = run_child(
+        "bare LLM.generate",
         _child_command("bare", config_file, result, "--groups", str(groups)),
         scratch / "bare.log",
         timeout_s,
@@ -384,6 +389,7 @@ def run_standalone(
 ) -> dict[str, Any]:
     result = scratch / "step.json"
     wall = run_child(
+        "standalone trainer step",
         _child_command("step", config_file, result, "--length", str(length)),
         scratch / "step.log",
         timeout_s,
@@ -783,6 +789,34 @@ def _validate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> Conf
     return config
 
 
+def run_all(
+    args: argparse.Namespace, config_file: Path, scratch: Path, results: Results, console: Console
+) -> None:
+    """Peer and ours in turn, then the references; each in a process of its own."""
+    for number in range(1, args.runs + 1):
+        if not args.skip_peer:
+            console.print(f"run {number}/{args.runs}: peer (TRL), {args.steps} steps ...")
+            results.runs.append(run_peer(scratch, config_file, args.steps, number, args.timeout_s))
+        if not args.skip_ours:
+            console.print(f"run {number}/{args.runs}: ours, {args.steps} steps ...")
+            results.runs.append(
+                run_ours(scratch, args.config, args.sets, args.steps, number, args.timeout_s)
+            )
+    if args.skip_ours:
+        return
+    console.print(f"bare vllm.LLM.generate on {args.bare_groups} groups ...")
+    results.bare = run_bare(scratch, config_file, args.bare_groups, args.timeout_s)
+    # The synthetic batch is as long as what our runs actually trained on.
+    length = round(
+        statistics.median(
+            sum(steady(r.series.tokens)) / sum(steady(r.extra["samples"]))
+            for r in results.side("ours")
+        )
+    )
+    console.print(f"standalone trainer step, ~{length} tokens a completion ...")
+    results.standalone = run_standalone(scratch, config_file, length, args.timeout_s)
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv[:1] == ["_child"]:
@@ -811,40 +845,21 @@ def main(argv: list[str] | None = None) -> int:
         "edge_steps": EDGE_STEPS,
     }
     results = Results(settings)
-    with tempfile.TemporaryDirectory(prefix="asp-peer-bench-") as tmp:
-        scratch = Path(tmp)
-        config_file = scratch / "config.yaml"
-        config_file.write_text(config.to_yaml())
-        try:
-            for number in range(1, args.runs + 1):
-                if not args.skip_peer:
-                    console.print(f"run {number}/{args.runs}: peer (TRL), {args.steps} steps ...")
-                    results.runs.append(
-                        run_peer(scratch, config_file, args.steps, number, args.timeout_s)
-                    )
-                if not args.skip_ours:
-                    console.print(f"run {number}/{args.runs}: ours, {args.steps} steps ...")
-                    results.runs.append(
-                        run_ours(
-                            scratch, args.config, args.sets, args.steps, number, args.timeout_s
-                        )
-                    )
-            if not args.skip_ours:
-                console.print(f"bare vllm.LLM.generate on {args.bare_groups} groups ...")
-                results.bare = run_bare(scratch, config_file, args.bare_groups, args.timeout_s)
-                # The synthetic batch is as long as what our runs actually trained on.
-                ours = results.side("ours")
-                length = round(
-                    statistics.median(
-                        sum(steady(r.series.tokens)) / sum(steady(r.extra["samples"])) for r in ours
-                    )
-                )
-                console.print(f"standalone trainer step, ~{length} tokens a completion ...")
-                results.standalone = run_standalone(scratch, config_file, length, args.timeout_s)
-        except RuntimeError as exc:
-            console.print("[bold red]error:[/]")
-            console.print(str(exc), markup=False, highlight=False)
-            return 1
+    # Kept when something fails, so that the logs the error names are still there.
+    scratch = Path(tempfile.mkdtemp(prefix="asp-peer-bench-"))
+    config_file = scratch / "config.yaml"
+    config_file.write_text(config.to_yaml())
+    try:
+        run_all(args, config_file, scratch, results, console)
+    except RuntimeError as exc:
+        console.print("[bold red]error:[/]")
+        console.print(str(exc), markup=False, highlight=False)
+        console.print(f"logs kept in {scratch}", highlight=False)
+        if args.json and results.runs:
+            # What finished is still worth keeping after an hour of runs.
+            Path(args.json).write_text(json.dumps({**results.to_json(), "error": str(exc)}))
+        return 1
+    shutil.rmtree(scratch, ignore_errors=True)
     report(results, console)
     if args.json:
         Path(args.json).write_text(json.dumps(results.to_json(), indent=1))
