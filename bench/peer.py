@@ -16,7 +16,7 @@ time on a same-sized synthetic batch (``runtime.trainer.synthetic``).
 Steady state is steps 5..N; rewards are compared over the first and the last 5 steps; "wall s"
 is a whole process, start-up included. Numbers on shared cores are noisy: read the ratios (also
 run by run: run k of each side saw about the same machine) and the medians over runs. Under
-contention the comparison leans our way: our five processes get a bigger share of busy cores
+contention the comparison leans our way: our many processes get a bigger share of busy cores
 than TRL's one, so take the numbers that count on an otherwise idle machine.
 
     .venv/bin/python bench/peer.py [--runs 3] [--steps 30] [--config configs/tiny.yaml]
