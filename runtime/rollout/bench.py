@@ -186,7 +186,8 @@ class WorkerPath:
         self.close()
 
 
-def _bare_llm(config: Config, groups: int, seed: int) -> tuple[BareLLM, list[SamplingSpec]]:
+def bare_llm(config: Config, groups: int, seed: int) -> tuple[BareLLM, list[SamplingSpec]]:
+    """A bare engine configured like instance 0, and the sampling of each of ``groups`` groups."""
     from runtime.rollout.engine import BareLLM, EngineSpec, SamplingSpec, resolve_engine_kind
     from runtime.tasks import ensure_model
 
@@ -221,7 +222,7 @@ def compare_worker_to_bare_llm(
     prompts = bench_prompts(config, groups)
     token_ids = [ids for _, ids in prompts]
     with WorkerPath(config, seed) as worker:
-        bare, specs = _bare_llm(config, groups, seed)
+        bare, specs = bare_llm(config, groups, seed)
         with bare:
             worker.generate(prompts[:4])  # warm-up
             bare.generate(token_ids[:4], specs[:4])

@@ -2,9 +2,14 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 
 from runtime.protocol import Batch, Completion, TrainGroup
+
+if TYPE_CHECKING:
+    from runtime.config import Config
 
 
 def random_batch(
@@ -53,9 +58,18 @@ def random_batch(
 
 
 def measure_step_time(
-    model_dir: str, steps: int = 10, groups: int = 8, samples: int = 4, length: int = 60
+    model_dir: str,
+    steps: int = 10,
+    groups: int = 8,
+    samples: int = 4,
+    length: int = 60,
+    config: Config | None = None,
 ) -> list[float]:
-    """Seconds per trainer step (loss, backward, optimizer, weight export) on random batches."""
+    """Seconds per trainer step (loss, backward, optimizer, weight export) on random batches.
+
+    ``config``: the run whose trainer settings (micro-batch size, loss, dtype) to use; the
+    defaults otherwise. Its model path and run directory are replaced.
+    """
     import tempfile
     import time
 
@@ -64,7 +78,10 @@ def measure_step_time(
     from runtime.trainer.train import Trainer
 
     with tempfile.TemporaryDirectory() as tmp:
-        config = Config.model_validate({"model": {"path": model_dir}, "run": {"run_dir": tmp}})
+        data = config.model_dump(mode="json", by_alias=True) if config is not None else {}
+        data.setdefault("model", {})["path"] = model_dir
+        data.setdefault("run", {})["run_dir"] = tmp
+        config = Config.model_validate(data)
         trainer = Trainer(config, RunDir(tmp).create(), model_dir)
         rng = np.random.default_rng(0)
         spread = max(1, length // 4)
