@@ -2,7 +2,7 @@
 
 ``runs/<name>/`` holds ``config.yaml`` (resolved), ``endpoints.json`` (all that ``asp-tui attach``
 needs), ``logs/<process>.log``, ``metrics.jsonl``, ``ledger.jsonl``, ``state/``, ``checkpoints/``,
-``weights/`` and ``keys/`` (CurveZMQ, only for non-loopback binds).
+``weights/`` and ``keys/`` (CurveZMQ key pairs, mode 0700; see ``runtime/auth.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ class Endpoints(msgspec.Struct, kw_only=True):
     controller_pid: int
     run_name: str
     server_public_key: str | None = None
+    """The controller's CurveZMQ public key (Z85): clients check the server with it."""
+    keys_dir: str = ""
+    """The run's ``keys/`` (readable by its owner only): where local clients find their role
+    key. Only the path: endpoints.json carries no secret."""
     started_at: float = 0.0
 
 
