@@ -193,8 +193,8 @@ class RunKeys:
         entries = [e for e in self.authorized() if e.public_key != key]
         entry = AuthorizedKey(public_key=key, role=role.value, name=name, added_at=time.time())
         entries.append(entry)
-        atomic_write_bytes(self.authorized_file, msgspec.json.format(msgspec.json.encode(entries)))
-        os.chmod(self.authorized_file, 0o600)
+        data = msgspec.json.format(msgspec.json.encode(entries))
+        atomic_write_bytes(self.authorized_file, data, mode=0o600)
         return entry
 
     def own_roles(self) -> dict[str, Role]:

@@ -60,7 +60,10 @@ class RunDir:
         return self.weights / f"v{version:06d}.safetensors"
 
     def write_endpoints(self, endpoints: Endpoints) -> None:
-        atomic_write_bytes(self.endpoints, msgspec.json.format(msgspec.json.encode(endpoints)))
+        # Readable by all (0644): it holds only public material, and a person whose key the
+        # owner authorized needs the addresses and the server's public key to attach.
+        data = msgspec.json.format(msgspec.json.encode(endpoints))
+        atomic_write_bytes(self.endpoints, data, mode=0o644)
 
     def read_endpoints(self) -> Endpoints:
         try:
@@ -71,11 +74,13 @@ class RunDir:
             raise ValueError(f"{self.endpoints}: unreadable ({exc})") from None
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temp file + rename, so readers never see a partial file."""
+def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write via a temp file + rename, so readers never see a partial file; the file gets
+    ``mode`` (by default private to the owner)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()
