@@ -3,6 +3,7 @@
     asp-tui keys new [--out BASE]                  make your key pair; prints the public key
     asp-tui keys show [FILE]                       print the public key of a key file
     asp-tui keys add RUN_DIR --role ROLE PUBKEY    let that key in, as ROLE (owner only)
+    asp-tui keys remove RUN_DIR PUBKEY             take an authorized key's rights away
     asp-tui keys list RUN_DIR                      the run's role keys and the authorized ones
 
 Only public keys travel: the run's owner adds yours, and you keep your secret. Every function
@@ -95,6 +96,24 @@ def add_key(run_dir: str, role_text: str, public: str, name: str) -> int:
     return EXIT_OK
 
 
+def remove_key(run_dir: str, public: str) -> int:
+    keys = _run_keys(run_dir)
+    if keys is None:
+        return _error(f"{run_dir}: no keys/ here (not a run directory, or the run never started)")
+    try:
+        if Path(public).is_file():
+            public = read_keypair(Path(public)).public_text
+        removed = keys.revoke(public)
+    except PermissionError:
+        return _error(f"cannot write {keys.authorized_file}: only the run's owner can remove keys")
+    except (OSError, ValueError) as exc:
+        return _error(str(exc))
+    if not removed:
+        return _error(f"{public} is not among the keys authorized on {run_dir}")
+    print(f"removed {public} from {run_dir} (its commands are refused at once)")
+    return EXIT_OK
+
+
 def list_keys(run_dir: str) -> int:
     keys = _run_keys(run_dir)
     if keys is None:
@@ -129,6 +148,10 @@ def add_keys_parser(commands: argparse._SubParsersAction) -> None:
     add.add_argument("public_key", metavar="PUBKEY", help="40-character Z85 key, or a .key file")
     add.add_argument("--name", default="", help="who it belongs to (shown by `keys list`)")
     add.set_defaults(func=lambda a: add_key(a.run_dir, a.role, a.public_key, a.name))
+    remove = sub.add_parser("remove", help="take an authorized key's rights away")
+    remove.add_argument("run_dir", metavar="RUN_DIR")
+    remove.add_argument("public_key", metavar="PUBKEY", help="40-character Z85 key, or a .key file")
+    remove.set_defaults(func=lambda a: remove_key(a.run_dir, a.public_key))
     show_all = sub.add_parser("list", help="the keys a run accepts, with their roles")
     show_all.add_argument("run_dir", metavar="RUN_DIR")
     show_all.set_defaults(func=lambda a: list_keys(a.run_dir))

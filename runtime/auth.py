@@ -184,14 +184,32 @@ class RunKeys:
         except (msgspec.DecodeError, msgspec.ValidationError) as exc:
             raise ValueError(f"{self.authorized_file}: unreadable ({exc})") from None
 
-    def authorize(self, public_key: str, role: Role, name: str = "") -> AuthorizedKey:
-        """Add (or re-role) ``public_key``; the live controller picks it up on the next
-        connection attempt."""
+    def revoke(self, public_key: str) -> bool:
+        """Remove ``public_key`` from ``authorized.json``; False if it was not there. The run's
+        own role keys cannot be removed (they are remade only with a new run directory)."""
         from runtime.rundir import atomic_write_bytes
 
         key = parse_public_key(public_key)
-        entries = [e for e in self.authorized() if e.public_key != key]
-        entry = AuthorizedKey(public_key=key, role=role.value, name=name, added_at=time.time())
+        entries = self.authorized()
+        kept = [e for e in entries if e.public_key != key]
+        if len(kept) == len(entries):
+            return False
+        data = msgspec.json.format(msgspec.json.encode(kept))
+        atomic_write_bytes(self.authorized_file, data, mode=0o600)
+        return True
+
+    def authorize(self, public_key: str, role: Role, name: str = "") -> AuthorizedKey:
+        """Add (or re-role, keeping its name unless a new one is given) ``public_key``; a live
+        controller picks it up at the key's next connection attempt."""
+        from runtime.rundir import atomic_write_bytes
+
+        key = parse_public_key(public_key)
+        entries = self.authorized()
+        earlier = next((e.name for e in entries if e.public_key == key), "")
+        entries = [e for e in entries if e.public_key != key]
+        entry = AuthorizedKey(
+            public_key=key, role=role.value, name=name or earlier, added_at=time.time()
+        )
         entries.append(entry)
         data = msgspec.json.format(msgspec.json.encode(entries))
         atomic_write_bytes(self.authorized_file, data, mode=0o600)
@@ -266,10 +284,11 @@ class Refusal:
 
 class ZapHandler:
     """Answers libzmq's ZAP requests for every socket of one context: a CURVE client whose key
-    has a role allowed on that socket gets status 200 and its role as the ZMQ ``User-Id`` (read
-    from any received frame); everything else gets 400, is counted in ``refused`` and reported
-    through ``on_refused`` (rate-limited per socket, key and host, since a refused client
-    reconnects every few hundred milliseconds).
+    has a role allowed on that socket gets status 200 and its public key as the ZMQ ``User-Id``
+    (a property of every frame it sends, so ``role_of`` can check each command against the
+    current key table: a removed key loses its commands at once); everything else gets 400,
+    is counted in ``refused`` and reported through ``on_refused`` (rate-limited per socket, key
+    and host, since a refused client reconnects every few hundred milliseconds).
 
     Bind it before the server sockets: with ``ZAP_ENFORCE_DOMAIN`` a socket refuses everyone
     until the handler answers, never the other way round.
@@ -295,6 +314,7 @@ class ZapHandler:
         self.sock.bind(ZAP_ENDPOINT)
 
     def role_of(self, public_key: str) -> Role | None:
+        """The role of ``public_key`` now (``authorized.json`` is read again when it changed)."""
         stamp = _stamp(self.keys.authorized_file)
         if stamp != self._table_stamp:
             try:
@@ -320,7 +340,7 @@ class ZapHandler:
             role = self.role_of(public_key)
         if role is not None and role in PLANE_ROLES.get(socket, ()):
             self.accepted[socket] += 1
-            return [version, request_id, b"200", b"OK", role.value.encode(), b""]
+            return [version, request_id, b"200", b"OK", public_key.encode(), b""]
         if mechanism != b"CURVE":
             reason = f"{mechanism.decode(errors='replace')} mechanism (CURVE required)"
         elif role is None:

@@ -70,7 +70,8 @@ async def served(
 
 
 async def _gets_through(sock: zmq.asyncio.Socket, server: zmq.asyncio.Socket) -> str | None:
-    """Send one frame; the ZAP User-Id (role) it arrived with, or None if it never arrived."""
+    """Send one frame; the ZAP User-Id (the client's public key) it arrived with, or None if it
+    never arrived."""
     await sock.send(b"hello")
     if not await server.poll(1500):
         return None
@@ -102,7 +103,9 @@ async def test_each_role_gets_in_only_where_it_belongs(tmp_path, host):
             ("trainer", Role.TRAINER),
         ):
             sock = connect(ctx, srv.endpoints, plane, role)
-            assert await _gets_through(sock, getattr(srv.sockets, plane)) == role.value
+            user_id = await _gets_through(sock, getattr(srv.sockets, plane))
+            assert user_id == srv.keys.role_key(role).public_text
+            assert srv.zap.role_of(user_id) is role
             sock.close(0)
         # The right protocol, the server's public key, but a key of the wrong role.
         wrong = {
@@ -161,7 +164,15 @@ async def test_an_authorized_key_gets_in_without_a_restart(tmp_path):
         srv.keys.authorize(mine.public_text, Role.VIEWER, name="alice")
         assert stat.S_IMODE(srv.keys.authorized_file.stat().st_mode) == 0o600
         sock = connect(ctx, srv.endpoints, "control", Role.VIEWER, key=mine)
-        assert await _gets_through(sock, srv.sockets.control) == "viewer"
+        assert await _gets_through(sock, srv.sockets.control) == mine.public_text
+        assert srv.zap.role_of(mine.public_text) is Role.VIEWER
+        # Removed: its role is gone at once (the controller checks it on every command) and
+        # its next connection is refused.
+        assert srv.keys.revoke(mine.public_text) and not srv.keys.revoke(mine.public_text)
+        assert srv.zap.role_of(mine.public_text) is None
+        sock.close(0)
+        sock = connect(ctx, srv.endpoints, "control", Role.VIEWER, key=mine)
+        assert await _gets_through(sock, srv.sockets.control) is None
         sock.close(0)
 
 

@@ -525,14 +525,17 @@ class Controller:
                 log.exception("error handling %s on %s", type(msg).__name__, name)
 
     def _may_command(self, frame: zmq.Frame, identity: bytes, msg: P.Command) -> bool:
-        """Whether the role the ZAP handler gave this client may send ``msg``; a refusal is
-        answered, counted and reported like a refused connection."""
-        role = frame.get("User-Id") or ""
+        """Whether the client's key (its ZAP User-Id) has, now, a role that may send ``msg``; a
+        refusal is answered, counted and reported like a refused connection."""
+        public_key = frame.get("User-Id") or ""
+        found = self.auth.role_of(public_key) if self.auth is not None else None
+        role = found.value if found is not None else ""
         if may_command(role, msg.name):
             return True
         reason = f"role {role or 'unknown'} may not send {msg.name!r} (operator only)"
         if self.auth is not None:
-            self.auth.refuse(Refusal("control", role, "", str(frame.get("Peer-Address")), reason))
+            address = str(frame.get("Peer-Address"))
+            self.auth.refuse(Refusal("control", role, public_key, address, reason))
         self._send(
             self.sockets.control,
             identity,
