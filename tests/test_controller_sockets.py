@@ -188,3 +188,26 @@ def test_roles_commands_and_key_parsing(tmp_path):
         parse_public_key("~" * 40)
     with pytest.raises(KeyUnavailable, match="asp-tui keys add RUN_DIR --role viewer"):
         client_key(tmp_path / "nowhere", Role.VIEWER, key_file=tmp_path / "missing")
+
+
+async def test_no_zap_handler_means_nobody_gets_in(tmp_path):
+    """Fail closed: a socket bound with its ZAP domain refuses even the run's own operator key
+    while no handler answers (libzmq would otherwise accept every CURVE client)."""
+    ctx = zmq.asyncio.Context()
+    rd = RunDir(tmp_path).create()
+    keys = RunKeys(rd.keys).ensure()
+    sockets = bind_sockets(ctx, "127.0.0.1", 0, keys.server())
+    try:
+        endpoints = Endpoints(
+            **sockets.addresses,
+            controller_pid=0,
+            run_name="t",
+            server_public_key=sockets.public_key,
+            keys_dir=str(rd.keys),
+        )
+        sock = connect(ctx, endpoints, "control", Role.OPERATOR)
+        assert await _gets_through(sock, sockets.control) is None
+        sock.close(0)
+    finally:
+        sockets.close()
+        ctx.destroy(linger=0)
