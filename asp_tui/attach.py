@@ -56,7 +56,9 @@ def attach(
 
     try:
         link = _link(target, Role.VIEWER if readonly else Role.OPERATOR, key_file)
-    except (FileNotFoundError, ValueError) as exc:
+        # No key at all is a usage error, not a connection to retry forever.
+        link.key(read_endpoints(link.endpoints_path).keys_dir)
+    except (OSError, ValueError) as exc:
         return _error("attach", str(exc))
     default_hz, max_lag_bound = _run_settings(link.endpoints_path)
     app = make_app(

@@ -40,7 +40,8 @@ log = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
 KEY_ENV = "ASP_TUI_KEY"
-"""A secret key file to use when the run's own role key cannot be read (another person's)."""
+"""A person's secret key file, used ahead of the run's own operator or viewer key. Never for
+worker or trainer: those processes inherit the owner's environment and must use the run's keys."""
 
 
 class Role(enum.StrEnum):
@@ -125,8 +126,8 @@ def read_keypair(path: Path) -> KeyPair:
     try:
         public, secret = zmq.auth.load_certificate(path)
     except OSError:
-        raise
-    except Exception as exc:
+        raise  # missing or unreadable: the caller words it
+    except Exception as exc:  # pyzmq's parser raises assorted errors for a malformed file
         raise ValueError(f"{path}: not a CurveZMQ certificate ({exc})") from None
     if public is None:
         raise ValueError(f"{path}: no public-key in this certificate")
@@ -243,9 +244,10 @@ def client_key(
     keys_dir: str | Path | None, role: Role, key_file: str | Path | None = None
 ) -> KeyPair:
     """The key pair a client of ``role`` connects with, first found of: ``key_file``;
-    ``$ASP_TUI_KEY``; the run's own ``keys/<role>.key_secret`` (readable by the run's owner
-    only); the person's own key from ``asp-tui keys new``."""
-    explicit = key_file or os.environ.get(KEY_ENV)
+    ``$ASP_TUI_KEY`` (operator and viewer only); the run's own ``keys/<role>.key_secret``
+    (readable by the run's owner only); the person's own key from ``asp-tui keys new``."""
+    person = role in (Role.OPERATOR, Role.VIEWER)
+    explicit = key_file or (os.environ.get(KEY_ENV) if person else None)
     candidates = [Path(explicit)] if explicit else []
     if not explicit and keys_dir:
         candidates.append(Path(keys_dir) / f"{role.value}.key_secret")

@@ -211,3 +211,18 @@ async def test_no_zap_handler_means_nobody_gets_in(tmp_path):
     finally:
         sockets.close()
         ctx.destroy(linger=0)
+
+
+def test_key_lookup_order(tmp_path, monkeypatch):
+    keys = RunKeys(tmp_path / "keys").ensure()
+    mine = write_keypair(tmp_path / "mine")
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    assert client_key(keys.dir, Role.OPERATOR) == keys.role_key(Role.OPERATOR)
+    monkeypatch.setenv("ASP_TUI_KEY", str(tmp_path / "mine.key_secret"))
+    assert client_key(keys.dir, Role.VIEWER) == mine
+    # The run's own processes inherit the owner's environment: they keep the run's keys.
+    assert client_key(keys.dir, Role.WORKER) == keys.role_key(Role.WORKER)
+    other = write_keypair(tmp_path / "other")
+    assert client_key(keys.dir, Role.OPERATOR, tmp_path / "other.key_secret") == other
+    with pytest.raises(KeyUnavailable, match="a public key only"):
+        client_key(keys.dir, Role.OPERATOR, tmp_path / "other.key")

@@ -62,3 +62,27 @@ def test_not_a_run_dir_exits_2(tmp_path, capsys):
     assert "no keys/ here" in capsys.readouterr().err
     assert main(["keys", "show", str(tmp_path / "missing.key")]) == 2
     assert main(["keys", "list", str(tmp_path)]) == 2
+
+
+def test_attach_without_a_readable_key_exits_2(tmp_path, capsys, monkeypatch):
+    from runtime.rundir import Endpoints, RunDir
+
+    monkeypatch.setenv("XDG_CONFIG_HOME", str(tmp_path / "config"))
+    monkeypatch.delenv("ASP_TUI_KEY", raising=False)
+    rd = RunDir(tmp_path / "run").create()
+    rd.write_endpoints(
+        Endpoints(
+            rollout="tcp://127.0.0.1:1",
+            trainer="tcp://127.0.0.1:2",
+            telemetry="tcp://127.0.0.1:3",
+            control="tcp://127.0.0.1:4",
+            controller_pid=0,
+            run_name="r",
+            server_public_key="K" * 40,
+            keys_dir=str(tmp_path / "elsewhere"),
+        )
+    )
+    assert main(["attach", str(rd.root), "--readonly"]) == 2
+    assert "no viewer key" in capsys.readouterr().err
+    assert main(["attach", str(rd.root), "--key", str(tmp_path / "nope.key_secret")]) == 2
+    assert "asp-tui keys new" in capsys.readouterr().err
