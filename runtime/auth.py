@@ -290,7 +290,8 @@ class ZapHandler:
     (a property of every frame it sends, so ``role_of`` can check each command against the
     current key table: a removed key loses its commands at once); everything else gets 400,
     is counted in ``refused`` and reported through ``on_refused`` (rate-limited per socket, key
-    and host, since a refused client reconnects every few hundred milliseconds).
+    and host, so that a client retrying in a loop cannot flood the log; libzmq itself does not
+    reconnect after a refusal, so each count is one attempt).
 
     Bind it before the server sockets: with ``ZAP_ENFORCE_DOMAIN`` a socket refuses everyone
     until the handler answers, never the other way round.
@@ -359,6 +360,10 @@ class ZapHandler:
         mark = (refusal.socket, refusal.public_key, refusal.address)
         if now - self._reported.get(mark, -1e9) < self.report_every_s:
             return
+        if len(self._reported) > 1000:
+            # A client that makes a new key per attempt must not grow this without bound.
+            horizon = now - self.report_every_s
+            self._reported = {m: t for m, t in self._reported.items() if t > horizon}
         self._reported[mark] = now
         log.warning(
             "refused %s client %s from %s on %s: %s",
