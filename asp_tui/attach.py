@@ -18,6 +18,7 @@ import msgspec
 
 from asp_tui.format import once_text
 from asp_tui.link import ControllerLink, LinkError, read_endpoints, resolve_target
+from runtime.auth import Role
 from runtime.protocol import Snapshot
 
 EXIT_OK, EXIT_INCOMPLETE, EXIT_BAD_TARGET = 0, 1, 2
@@ -28,8 +29,8 @@ def _error(command: str, text: str, stream: TextIO | None = None) -> int:
     return EXIT_BAD_TARGET
 
 
-def _link(target: str | Path) -> ControllerLink:
-    return ControllerLink(resolve_target(target))
+def _link(target: str | Path, role: Role, key_file: str | None) -> ControllerLink:
+    return ControllerLink(resolve_target(target), role=role, key_file=key_file)
 
 
 def _run_settings(endpoints_path: Path) -> tuple[float, int]:
@@ -43,13 +44,21 @@ def _run_settings(endpoints_path: Path) -> tuple[float, int]:
     return max(10.0, config.telemetry.hz), config.async_.max_lag_bound
 
 
-def attach(target: str, readonly: bool = False, render_hz: float | None = None) -> int:
-    """Open the dashboard on a live run. Quitting detaches; the run keeps going."""
+def attach(
+    target: str,
+    readonly: bool = False,
+    render_hz: float | None = None,
+    key_file: str | None = None,
+) -> int:
+    """Open the dashboard on a live run (``readonly``: with a viewer key). Quitting detaches;
+    the run keeps going."""
     from asp_tui.app import make_app
 
     try:
-        link = _link(target)
-    except (FileNotFoundError, ValueError) as exc:
+        link = _link(target, Role.VIEWER if readonly else Role.OPERATOR, key_file)
+        # No key at all is a usage error, not a connection to retry forever.
+        link.key(read_endpoints(link.endpoints_path).keys_dir)
+    except (OSError, ValueError) as exc:
         return _error("attach", str(exc))
     default_hz, max_lag_bound = _run_settings(link.endpoints_path)
     app = make_app(
@@ -79,10 +88,13 @@ async def fetch_status(link: ControllerLink, timeout: float) -> Snapshot:
     return msgspec.convert(reply.data, Snapshot)
 
 
-def print_once(target: str, timeout: float = 3.0, stream: TextIO | None = None) -> int:
-    """Print a plain-text snapshot of the run and exit 0; an unreachable run exits 2."""
+def print_once(
+    target: str, timeout: float = 3.0, stream: TextIO | None = None, key_file: str | None = None
+) -> int:
+    """Print a plain-text snapshot of the run (a viewer's query) and exit 0; an unreachable run
+    exits 2."""
     try:
-        link = _link(target)
+        link = _link(target, Role.VIEWER, key_file)
     except (FileNotFoundError, ValueError) as exc:
         return _error("attach --once", str(exc))
     try:
@@ -129,11 +141,14 @@ def _pid_alive(pid: int) -> bool:
         return True
 
 
-def stop_run(target: str, timeout: float = 60.0, stream: TextIO | None = None) -> int:
-    """Ask the controller to stop the run, then wait up to ``timeout`` s for it to exit."""
+def stop_run(
+    target: str, timeout: float = 60.0, stream: TextIO | None = None, key_file: str | None = None
+) -> int:
+    """Ask the controller to stop the run (an operator's command), then wait up to ``timeout`` s
+    for it to exit."""
     try:
         endpoints_path = resolve_target(target)
-        link = ControllerLink(endpoints_path)
+        link = ControllerLink(endpoints_path, role=Role.OPERATOR, key_file=key_file)
         pid = read_endpoints(endpoints_path).controller_pid
     except (FileNotFoundError, ValueError) as exc:
         return _error("stop", str(exc))

@@ -4,6 +4,7 @@
     asp-tui run --headless --config F    run in the foreground, one line per step
     asp-tui attach RUN_DIR [--readonly] [--once]
     asp-tui stop RUN_DIR
+    asp-tui keys new|show|add|list ...     key pairs and who may connect to a run
     asp-tui plan ... / asp-tui simulate ...   offline scheduling (no processes started)
 
 Bad input (a config field, a file, a flag) is reported with what was wrong and exits 2.
@@ -43,6 +44,15 @@ def _render_hz(text: str) -> float:
     return value
 
 
+def _add_key_argument(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--key",
+        metavar="FILE",
+        help="your secret key file (default: the run's own key when you own the run, else "
+        "the one from `asp-tui keys new`)",
+    )
+
+
 def _add_render_argument(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--render-hz",
@@ -77,12 +87,18 @@ def build_parser() -> argparse.ArgumentParser:
     attach.add_argument("--readonly", action="store_true", help="disable every command")
     attach.add_argument("--once", action="store_true", help="print one snapshot and exit")
     _add_render_argument(attach)
+    _add_key_argument(attach)
     attach.set_defaults(func=_cmd_attach)
 
     stop = commands.add_parser("stop", help="stop a live run cleanly")
     stop.add_argument("target", help="run directory or endpoints.json")
     stop.add_argument("--timeout", type=float, default=120.0, help="seconds to wait")
+    _add_key_argument(stop)
     stop.set_defaults(func=_cmd_stop)
+
+    from asp_tui.keys import add_keys_parser
+
+    add_keys_parser(commands)
 
     from runtime.scheduler.cli import add_plan_parser, add_simulate_parser
 
@@ -122,20 +138,20 @@ def _cmd_attach(args: argparse.Namespace) -> int:
     from asp_tui.attach import attach, print_once
 
     if args.once:
-        return print_once(args.target)
-    return attach(args.target, readonly=args.readonly, render_hz=args.render_hz)
+        return print_once(args.target, key_file=args.key)
+    return attach(args.target, readonly=args.readonly, render_hz=args.render_hz, key_file=args.key)
 
 
 def _cmd_stop(args: argparse.Namespace) -> int:
     from asp_tui.attach import stop_run
 
-    return stop_run(args.target, timeout=args.timeout)
+    return stop_run(args.target, timeout=args.timeout, key_file=args.key)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    known = {"start", "run", "attach", "stop", "plan", "simulate"}
+    known = {"start", "run", "attach", "stop", "keys", "plan", "simulate"}
     if argv and argv[0] not in known and argv[0] not in ("-h", "--help"):
         argv = ["start", *argv]
     if not argv:

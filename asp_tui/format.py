@@ -185,4 +185,10 @@ def once_text(snapshot: Snapshot, endpoint: str = "") -> str:
     summary = ", ".join(f"{count} {state_word(state)}" for state, count in counts.items() if count)
     lines.append(f"instances {len(snapshot.instances)}" + (f" ({summary})" if summary else ""))
     lines.extend(instance_line(instance) for instance in snapshot.instances)
+    if snapshot.auth_refused:
+        refused = ", ".join(f"{n} on {s}" for s, n in sorted(snapshot.auth_refused.items()))
+        lines.append(
+            f"refused   {refused} (clients without an authorized key, or commands "
+            "their role may not send)"
+        )
     return "\n".join(lines)

@@ -16,6 +16,7 @@ from typing import Any, Protocol
 
 import msgspec
 
+from runtime.auth import KeyPair, Role, client_key
 from runtime.protocol import CommandReply, Event, Snapshot
 from runtime.rundir import Endpoints, RunDir
 
@@ -68,11 +69,22 @@ def read_endpoints(path: Path) -> Endpoints:
 
 
 class ControllerLink:
-    """A live controller, found through ``endpoints.json``."""
+    """A live controller, found through ``endpoints.json``, as ``role`` (operator, or viewer
+    for a read-only dashboard) with the key in ``key_file`` or the default of
+    ``auth.client_key``."""
 
-    def __init__(self, endpoints_path: Path, *, probe_timeout_s: float = 1.5) -> None:
+    def __init__(
+        self,
+        endpoints_path: Path,
+        *,
+        probe_timeout_s: float = 1.5,
+        role: Role = Role.OPERATOR,
+        key_file: str | Path | None = None,
+    ) -> None:
         self.endpoints_path = endpoints_path
         self.probe_timeout_s = probe_timeout_s
+        self.role = role
+        self.key_file = key_file
         endpoints = read_endpoints(endpoints_path)
         self.label = endpoints.control
         self.run_name = endpoints.run_name
@@ -88,19 +100,28 @@ class ControllerLink:
         except (FileNotFoundError, ValueError) as exc:
             raise LinkError(str(exc)) from None
         self.label, self.run_name = endpoints.control, endpoints.run_name
+        try:
+            key = self.key(endpoints.keys_dir)
+        except (OSError, ValueError) as exc:
+            raise LinkError(str(exc)) from None
         # Subscribe first so nothing published between the probe and the stream is lost.
-        self._telemetry = TelemetrySubscriber(endpoints)
-        self._control = ControlClient(endpoints)
+        self._telemetry = TelemetrySubscriber(endpoints, role=self.role, key=key)
+        self._control = ControlClient(endpoints, role=self.role, key=key)
         try:
             await self.request("status", self.probe_timeout_s)
         except TimeoutError:
             await self.close()
             raise LinkError(
-                f"no answer from the controller at {self.label} within {self.probe_timeout_s:g} s"
+                f"no answer from the controller at {self.label} within {self.probe_timeout_s:g} s "
+                f"(if the run is live, it does not accept this {self.role.value} key)"
             ) from None
         except OSError as exc:
             await self.close()
             raise LinkError(f"no answer from the controller at {self.label} ({exc})") from None
+
+    def key(self, keys_dir: str) -> KeyPair:
+        """The key pair this link connects with (``auth.KeyUnavailable`` says what to do)."""
+        return client_key(keys_dir, self.role, self.key_file)
 
     def stream(self) -> AsyncIterator[Snapshot | Event]:
         if self._telemetry is None:

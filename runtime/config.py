@@ -200,7 +200,7 @@ class ResourcesConfig(_Section):
 
 class ControllerConfig(_Section):
     host: str = "127.0.0.1"
-    """Bind address. Anything but loopback turns on CurveZMQ."""
+    """Bind address. Every socket, loopback too, is CurveZMQ with per-role client keys."""
     port_base: NonNegativeInt = 0
     """0 picks free ports; otherwise rollout, trainer, telemetry and control use base..base+3."""
 

@@ -293,6 +293,9 @@ class Snapshot(_Message):
     bubbles_predicted: dict[str, float] = {}
     instances: list[InstanceSnapshot] = []
     rejected_frames: int = 0
+    auth_refused: dict[str, int] = {}
+    """Clients refused so far, per socket: unknown keys, roles not allowed on that socket, and
+    (under ``control``) commands the client's role may not send."""
 
 
 class Event(_Message):

@@ -2,7 +2,7 @@
 
 ``runs/<name>/`` holds ``config.yaml`` (resolved), ``endpoints.json`` (all that ``asp-tui attach``
 needs), ``logs/<process>.log``, ``metrics.jsonl``, ``ledger.jsonl``, ``state/``, ``checkpoints/``,
-``weights/`` and ``keys/`` (CurveZMQ, only for non-loopback binds).
+``weights/`` and ``keys/`` (CurveZMQ key pairs, mode 0700; see ``runtime/auth.py``).
 """
 
 from __future__ import annotations
@@ -25,6 +25,10 @@ class Endpoints(msgspec.Struct, kw_only=True):
     controller_pid: int
     run_name: str
     server_public_key: str | None = None
+    """The controller's CurveZMQ public key (Z85): clients check the server with it."""
+    keys_dir: str = ""
+    """The run's ``keys/`` (readable by its owner only): where local clients find their role
+    key. Only the path: endpoints.json carries no secret."""
     started_at: float = 0.0
 
 
@@ -56,7 +60,10 @@ class RunDir:
         return self.weights / f"v{version:06d}.safetensors"
 
     def write_endpoints(self, endpoints: Endpoints) -> None:
-        atomic_write_bytes(self.endpoints, msgspec.json.format(msgspec.json.encode(endpoints)))
+        # Readable by all (0644): it holds only public material, and a person whose key the
+        # owner authorized needs the addresses and the server's public key to attach.
+        data = msgspec.json.format(msgspec.json.encode(endpoints))
+        atomic_write_bytes(self.endpoints, data, mode=0o644)
 
     def read_endpoints(self) -> Endpoints:
         try:
@@ -67,11 +74,13 @@ class RunDir:
             raise ValueError(f"{self.endpoints}: unreadable ({exc})") from None
 
 
-def atomic_write_bytes(path: Path, data: bytes) -> None:
-    """Write via a temp file + rename, so readers never see a partial file."""
+def atomic_write_bytes(path: Path, data: bytes, mode: int = 0o600) -> None:
+    """Write via a temp file + rename, so readers never see a partial file; the file gets
+    ``mode`` (by default private to the owner)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
     try:
+        os.fchmod(fd, mode)
         with os.fdopen(fd, "wb") as handle:
             handle.write(data)
             handle.flush()

@@ -18,6 +18,7 @@ import pytest
 import zmq
 import zmq.asyncio
 
+from runtime.auth import Role
 from runtime.config import load_config
 from runtime.controller.client import (
     ControlClient,
@@ -29,6 +30,7 @@ from runtime.controller.client import (
 )
 from runtime.controller.ledger import verify_ledger
 from runtime.rundir import RunDir, read_jsonl
+from runtime.transport import connect
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -277,16 +279,14 @@ async def test_garbage_on_every_socket_is_counted_and_ignored(tmp_path):
         ctx = zmq.asyncio.Context()
         try:
             sent = 0
-            for address, identity in (
-                (endpoints.rollout, b"instance-0"),
-                (endpoints.trainer, b"trainer"),
-                (endpoints.control, b""),
+            # Authenticated peers (with their role's key) that send garbage.
+            for plane, role, identity in (
+                ("rollout", Role.WORKER, b"instance-0-junk"),
+                ("trainer", Role.TRAINER, b"trainer-junk"),
+                ("control", Role.OPERATOR, None),
             ):
-                dealer = ctx.socket(zmq.DEALER)
-                dealer.setsockopt(zmq.LINGER, 2000)  # deliver the junk before closing
-                if identity:
-                    dealer.setsockopt(zmq.IDENTITY, identity + b"-junk")
-                dealer.connect(address)
+                # A long linger delivers the junk before closing.
+                dealer = connect(ctx, endpoints, plane, role, identity=identity, linger_ms=2000)
                 for junk in ([b"\x00\xffgarbage"], [b"\x92\x01\xa3bad"], [b"\x92\x07\xc0"]):
                     await dealer.send_multipart(junk)
                     sent += 1

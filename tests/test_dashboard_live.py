@@ -28,6 +28,7 @@ from asp_tui.attach import print_once, stop_run
 from asp_tui.link import ControllerLink
 from asp_tui.model import Backoff, Link
 from asp_tui.widgets.instances import InstanceTable
+from runtime.auth import Role
 from runtime.config import load_config
 from runtime.controller.client import ControlClient, write_run_config
 from runtime.protocol import Snapshot
@@ -122,8 +123,8 @@ async def controller_until(run: Controller, predicate, timeout: float, what: str
     return snap
 
 
-def attach_app(run: Controller, **options) -> Dashboard:
-    link = ControllerLink(RunDir(run.run_dir).endpoints)
+def attach_app(run: Controller, role: Role = Role.OPERATOR, **options) -> Dashboard:
+    link = ControllerLink(RunDir(run.run_dir).endpoints, role=role)
     return make_app(link, backoff=Backoff(cap_s=1.0, rng=random.Random(0)), **options)
 
 
@@ -210,13 +211,17 @@ async def test_lag_bound_dialog_changes_the_controllers_bound(controller):
 
 
 async def test_readonly_can_neither_pause_nor_change_the_bound(controller):
+    """As ``attach --readonly`` does: a viewer key, which the controller refuses too."""
     before = await status(controller)
-    app = attach_app(controller, readonly=True)
+    app = attach_app(controller, Role.VIEWER, readonly=True)
     seen: list = []
     async with app.run_test(size=(100, 30), message_hook=seen.append) as pilot:
-        await live(pilot, app)
+        await live(pilot, app)  # history, status and telemetry all work with a viewer key
         await pilot.press("p", "y", "L", "1", "enter", "y", "plus", "y")
         await pilot.pause(1.0)
+        # Past the dashboard's own refusal, straight to the controller: refused there as well.
+        reply = await app.link.request("pause_instance", 5.0, ids=[0])
+        assert not reply.ok and "role viewer may not send 'pause_instance'" in reply.reason
     after = await status(controller)
     assert after.lag_bound == before.lag_bound
     assert [i.state for i in after.instances if i.state == "paused"] == []

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 from textual.widgets import Button
 
@@ -287,7 +288,9 @@ def test_formatting():
     for word in ("RUNNING", "PAUSED", "SYNCING", "DOWN"):
         assert f"  {word}" in text
     assert "step      42/200" in text and "bound η=2" in text
-    assert text.count("\ninstance ") == 64
+    assert text.count("\ninstance ") == 64 and "refused" not in text
+    refused = msgspec.structs.replace(sample_snapshot(), auth_refused={"control": 4, "rollout": 1})
+    assert "refused   4 on control, 1 on rollout" in once_text(refused)
 
 
 async def test_keys_can_be_remapped_by_binding_id():

@@ -22,6 +22,7 @@ import psutil
 import pytest
 import zmq
 
+from runtime.auth import Role
 from runtime.config import load_config
 from runtime.controller.client import (
     ControlClient,
@@ -33,6 +34,7 @@ from runtime.controller.ledger import verify_ledger
 from runtime.launcher import prepare_model
 from runtime.protocol import Snapshot
 from runtime.rundir import RunDir, read_jsonl
+from runtime.transport import connect
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -79,10 +81,13 @@ def _worker_pid(controller_pid: int, instance_id: int) -> int:
 def _send_garbage(endpoints: Any) -> None:
     ctx = zmq.Context()
     try:
-        for address in (endpoints.rollout, endpoints.trainer, endpoints.control):
-            sock = ctx.socket(zmq.DEALER)
-            sock.setsockopt(zmq.LINGER, 500)
-            sock.connect(address)
+        # Authenticated peers (each with its role's key) that send garbage.
+        for plane, role in (
+            ("rollout", Role.WORKER),
+            ("trainer", Role.TRAINER),
+            ("control", Role.OPERATOR),
+        ):
+            sock = connect(ctx, endpoints, plane, role, linger_ms=500)
             sock.send_multipart([b"\xc1\xff not msgpack", b"junk"])
             sock.close()
     finally:

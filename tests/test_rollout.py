@@ -44,6 +44,7 @@ from runtime.protocol import (
 from runtime.rundir import Endpoints, RunDir
 from runtime.tasks import build_task, encode_prompt, load_tokenizer
 from runtime.tasks.tiny_model import EOS, build_tiny_model, vocabulary
+from runtime.transport import standin_server
 
 pytestmark = pytest.mark.slow
 
@@ -57,11 +58,12 @@ allows greedy sampling only with n = 1)."""
 class ControllerStub:
     """The controller's rollout ROUTER, reduced to send / wait-for-a-message-of-this-type."""
 
-    def __init__(self) -> None:
+    def __init__(self, keys_dir: Path) -> None:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
         self.socket.setsockopt(zmq.LINGER, 0)
+        self.keys = standin_server(self.socket, keys_dir)
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         self.address = f"tcp://127.0.0.1:{port}"
         self.guard = FrameGuard("test-rollout")
@@ -206,7 +208,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory):
         }
     )
     run_dir.config.write_text(config.to_yaml())
-    stub = ControllerStub()
+    stub = ControllerStub(run_dir.keys)
     run_dir.write_endpoints(
         Endpoints(
             rollout=stub.address,
@@ -215,6 +217,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory):
             control="tcp://127.0.0.1:3",
             controller_pid=os.getpid(),
             run_name="rollout-test",
+            **stub.keys,
         )
     )
     handle = WorkerHandle(run_dir, stub, model_dir)

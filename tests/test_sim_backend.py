@@ -62,6 +62,7 @@ from runtime.sim.backend import SimInstance, SimSettings
 from runtime.sim.trainer import marker_path, write_marker
 from runtime.tasks import build_task
 from runtime.tasks.sim_task import SimTask
+from runtime.transport import standin_server
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "runtime" / "tasks" / "data" / "castillo_sample.csv"
@@ -301,6 +302,7 @@ class FakeController:
         self.context = zmq.Context()
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
+        keys = standin_server(self.router, self.run_dir.keys)
         port = self.router.bind_to_random_port("tcp://127.0.0.1")
         address = f"tcp://127.0.0.1:{port}"
         self.run_dir.write_endpoints(
@@ -312,6 +314,7 @@ class FakeController:
                 controller_pid=controller_pid or os.getpid(),
                 run_name="simtest",
                 started_at=time.time(),
+                **keys,
             )
         )
         self.encoder = Encoder()

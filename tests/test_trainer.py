@@ -36,6 +36,7 @@ from runtime.trainer.loop import CHECKSUM_ENV
 from runtime.trainer.synthetic import random_batch
 from runtime.trainer.train import Trainer, checkpoint_dirs
 from runtime.trainer.weights import checksum, load_weights
+from runtime.transport import standin_server
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 100  # the tiny model's character vocabulary
@@ -190,6 +191,7 @@ class ControllerStandIn:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
+        keys = standin_server(self.socket, run_dir.keys)
         port = self.socket.bind_to_random_port("tcp://127.0.0.1")
         endpoint = f"tcp://127.0.0.1:{port}"
         run_dir.write_endpoints(
@@ -200,6 +202,7 @@ class ControllerStandIn:
                 control=endpoint,
                 controller_pid=os.getpid(),
                 run_name="test",
+                **keys,
             )
         )
         self.encoder = Encoder()

@@ -34,7 +34,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from runtime.controller.sockets import apply_client_curve
+from runtime.auth import KeyPair, Role
 from runtime.protocol import (
     TOPIC_EVENT,
     TOPIC_SNAPSHOT,
@@ -47,6 +47,7 @@ from runtime.protocol import (
     Snapshot,
 )
 from runtime.rundir import Endpoints, RunDir
+from runtime.transport import connect
 
 
 class ControllerUnavailable(TimeoutError):
@@ -55,7 +56,8 @@ class ControllerUnavailable(TimeoutError):
 
 class ControlClient:
     """Request/reply on the control socket. One DEALER; replies are matched by request id, so
-    several requests may be outstanding at once."""
+    several requests may be outstanding at once. ``role`` is operator (every command) or viewer
+    (status and history only); ``key`` defaults as in ``auth.client_key``."""
 
     def __init__(
         self,
@@ -63,15 +65,19 @@ class ControlClient:
         *,
         timeout_s: float = 10.0,
         context: zmq.asyncio.Context | None = None,
+        role: Role = Role.OPERATOR,
+        key: KeyPair | None = None,
     ) -> None:
         self.endpoints = endpoints
         self.timeout_s = timeout_s
         self._own_ctx = context is None
         self.ctx = context or zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.DEALER)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        apply_client_curve(self.sock, endpoints.server_public_key)
-        self.sock.connect(endpoints.control)
+        try:
+            self.sock = connect(self.ctx, endpoints, "control", role, key=key)
+        except BaseException:
+            if self._own_ctx:
+                self.ctx.term()
+            raise
         self.guard = FrameGuard("control-client", Decoder(CommandReply))
         self.encoder = Encoder()
         self._ids = itertools.count(1)
@@ -154,16 +160,20 @@ class TelemetrySubscriber:
         *,
         topics: tuple[bytes, ...] = (TOPIC_SNAPSHOT, TOPIC_EVENT),
         context: zmq.asyncio.Context | None = None,
+        role: Role = Role.OPERATOR,
+        key: KeyPair | None = None,
     ) -> None:
         self.endpoints = endpoints
         self._own_ctx = context is None
         self.ctx = context or zmq.asyncio.Context()
-        self.sock = self.ctx.socket(zmq.SUB)
-        self.sock.setsockopt(zmq.LINGER, 0)
-        apply_client_curve(self.sock, endpoints.server_public_key)
+        try:
+            self.sock = connect(self.ctx, endpoints, "telemetry", role, key=key)
+        except BaseException:
+            if self._own_ctx:
+                self.ctx.term()
+            raise
         for topic in topics:
             self.sock.setsockopt(zmq.SUBSCRIBE, topic)
-        self.sock.connect(endpoints.telemetry)
         self.guard = FrameGuard("telemetry-client", Decoder(Snapshot | Event))
         self.latest: Snapshot | None = None
 
@@ -352,16 +362,23 @@ def write_run_config(run_dir: str | Path, config: Any) -> RunDir:
 
 
 def send_command(
-    endpoints: Endpoints, name: str, *, timeout_s: float = 10.0, **args: Any
+    endpoints: Endpoints,
+    name: str,
+    *,
+    timeout_s: float = 10.0,
+    role: Role = Role.OPERATOR,
+    key: KeyPair | None = None,
+    **args: Any,
 ) -> CommandReply:
-    """Blocking one-shot command (for CLIs such as ``asp-tui stop``): the reply, or
-    ``ControllerUnavailable`` when nothing answers within ``timeout_s``."""
+    """Blocking one-shot command (for CLIs and scripts): the reply, or ``ControllerUnavailable``
+    when nothing answers within ``timeout_s`` (a client whose key is refused hears nothing)."""
     ctx = zmq.Context()
-    sock = ctx.socket(zmq.DEALER)
-    sock.setsockopt(zmq.LINGER, 0)
     try:
-        apply_client_curve(sock, endpoints.server_public_key)
-        sock.connect(endpoints.control)
+        sock = connect(ctx, endpoints, "control", role, key=key)
+    except BaseException:
+        ctx.term()
+        raise
+    try:
         sock.send_multipart(Encoder().encode(Command(request_id=1, name=name, args=args)))
         guard = FrameGuard("control-client", Decoder(CommandReply))
         deadline = time.monotonic() + timeout_s

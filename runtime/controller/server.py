@@ -28,6 +28,7 @@ import zmq
 import zmq.asyncio
 
 from runtime import protocol as P
+from runtime.auth import Refusal, RunKeys, ZapHandler, may_command
 from runtime.bubbles import BubbleAccountant, free_slot_cause
 from runtime.config import Config, read_run_config
 from runtime.controller import commands
@@ -184,6 +185,8 @@ class Controller:
         self.encoder = P.Encoder()
         self.ctx: zmq.asyncio.Context | None = None
         self.sockets: Any = None
+        self.auth: ZapHandler | None = None
+        self._auth_task: asyncio.Task | None = None
         self.telemetry: Telemetry | None = None
         self.metrics = JsonlWriter(self.rd.metrics)
         self.ledger = Ledger(self.rd.ledger)
@@ -220,9 +223,10 @@ class Controller:
             self.exit_code = self.exit_code or 1
             self._event("run", f"controller failed: {exc}", error=str(exc))
         finally:
-            for task in self._tasks:
+            tasks = [*self._tasks, *([self._auth_task] if self._auth_task else [])]
+            for task in tasks:
                 task.cancel()
-            for task in self._tasks:
+            for task in tasks:
                 with contextlib.suppress(asyncio.CancelledError, Exception):
                     await task
             await self.supervisor.stop_all(grace_s=5.0)
@@ -234,6 +238,8 @@ class Controller:
             self.ledger.close()
             if self.sockets is not None:
                 self.sockets.close()
+            if self.auth is not None:
+                self.auth.close()
             if self.ctx is not None:
                 self.ctx.term()
         return self.exit_code
@@ -241,8 +247,12 @@ class Controller:
     async def _startup(self) -> None:
         cfg = self.config
         self.ctx = zmq.asyncio.Context()
+        keys = RunKeys(self.rd.keys).ensure()
+        # The ZAP handler first: the sockets refuse every client until it answers.
+        self.auth = ZapHandler(self.ctx, keys, on_refused=self._on_auth_refused)
+        self._auth_task = asyncio.create_task(self.auth.serve(), name="zap")
         self.sockets = bind_sockets(
-            self.ctx, cfg.controller.host, cfg.controller.port_base, self.rd
+            self.ctx, cfg.controller.host, cfg.controller.port_base, keys.server()
         )
         self.telemetry = Telemetry(
             self.sockets.telemetry, cfg.telemetry.ring_size, on_event=self._record_event
@@ -257,6 +267,7 @@ class Controller:
                 controller_pid=os.getpid(),
                 run_name=cfg.run.name,
                 server_public_key=self.sockets.public_key,
+                keys_dir=str(self.rd.keys.resolve()),
                 started_at=time.time(),
             )
         )
@@ -508,11 +519,45 @@ class Controller:
             msg = guard.decode(frames[1:], peer=repr(identity))
             if msg is None:
                 continue
+            if name == "control" and not self._may_command(frames[1], identity, msg):
+                continue
             try:
                 handler(identity, msg)
             except Exception:
                 # A bug while handling one message must not take the run down silently.
                 log.exception("error handling %s on %s", type(msg).__name__, name)
+
+    def _may_command(self, frame: zmq.Frame, identity: bytes, msg: P.Command) -> bool:
+        """Whether the client's key (its ZAP User-Id) has, now, a role that may send ``msg``; a
+        refusal is answered, counted and reported like a refused connection."""
+        public_key = frame.get("User-Id") or ""
+        found = self.auth.role_of(public_key) if self.auth is not None else None
+        role = found.value if found is not None else ""
+        if may_command(role, msg.name):
+            return True
+        reason = f"role {role or 'unknown'} may not send {msg.name!r} (operator only)"
+        if self.auth is not None:
+            address = str(frame.get("Peer-Address"))
+            self.auth.refuse(Refusal("control", role, public_key, address, reason))
+        self._send(
+            self.sockets.control,
+            identity,
+            P.CommandReply(request_id=msg.request_id, ok=False, reason=reason),
+        )
+        return False
+
+    def _on_auth_refused(self, refusal: Refusal, count: int) -> None:
+        self._event(
+            "auth",
+            f"refused {refusal.role or 'unknown'} client from {refusal.address} on "
+            f"{refusal.socket}: {refusal.reason} ({count} refused on {refusal.socket} so far)",
+            socket=refusal.socket,
+            role=refusal.role,
+            public_key=refusal.public_key,
+            address=refusal.address,
+            reason=refusal.reason,
+            refused=count,
+        )
 
     def _send(self, sock: Any, identity: bytes, msg: Any) -> bool:
         try:
@@ -1510,6 +1555,7 @@ class Controller:
             bubbles_predicted=self._predicted(),
             instances=rows,
             rejected_frames=sum(g.rejected_total for g in self.guards.values()),
+            auth_refused=dict(self.auth.refused) if self.auth is not None else {},
         )
 
     def _publish_snapshot(self) -> None:

@@ -27,6 +27,7 @@ import zmq
 from runtime.config import Config, load_config
 from runtime.protocol import Encoder, FrameGuard, Generate, GroupAborted, GroupDone, WorkerHello
 from runtime.rundir import Endpoints, RunDir
+from runtime.transport import standin_server
 
 if TYPE_CHECKING:  # vLLM is imported only when a bare engine is built
     from runtime.rollout.engine import BareLLM, SamplingSpec
@@ -112,6 +113,7 @@ class WorkerPath:
         self._context = zmq.Context()
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
+        keys = standin_server(self._router, run_dir.keys)
         port = self._router.bind_to_random_port("tcp://127.0.0.1")
         run_dir.write_endpoints(
             Endpoints(
@@ -121,6 +123,7 @@ class WorkerPath:
                 control="tcp://127.0.0.1:3",
                 controller_pid=os.getpid(),
                 run_name=config.run.name,
+                **keys,
             )
         )
         self._encoder, self._guard = Encoder(), FrameGuard("bench")

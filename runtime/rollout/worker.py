@@ -34,7 +34,7 @@ from typing import Any
 import zmq
 import zmq.asyncio
 
-from runtime.controller.sockets import apply_client_curve
+from runtime.auth import Role
 from runtime.lifetime import die_with_parent
 from runtime.protocol import (
     AbortGroups,
@@ -52,6 +52,7 @@ from runtime.protocol import (
     WorkerAck,
     WorkerHello,
 )
+from runtime.transport import connect
 
 if __name__ == "__mp_main__":
     # This module is being re-imported by a process that vLLM spawned from the worker (its
@@ -408,11 +409,14 @@ async def serve(run_dir: Path, instance_id: int) -> int:
     reward = TaskRewarder(task, load_tokenizer(model))
 
     context = zmq.asyncio.Context()
-    socket = context.socket(zmq.DEALER)
-    socket.setsockopt(zmq.IDENTITY, b"instance-%d" % instance_id)
-    socket.setsockopt(zmq.LINGER, 1000)
-    apply_client_curve(socket, endpoints.server_public_key)
-    socket.connect(endpoints.rollout)
+    socket = connect(
+        context,
+        endpoints,
+        "rollout",
+        Role.WORKER,
+        identity=b"instance-%d" % instance_id,
+        linger_ms=1000,
+    )
     engine = None
     try:
         started = time.perf_counter()

@@ -53,6 +53,7 @@ import psutil
 import zmq
 import zmq.asyncio
 
+from runtime.auth import Role
 from runtime.config import Config, ConfigError, read_run_config
 from runtime.protocol import (
     AbortGroups,
@@ -74,6 +75,7 @@ from runtime.rundir import RunDir
 from runtime.scheduler.cost_model import CostModel
 from runtime.tasks import TaskPrompt
 from runtime.tasks.sim_task import SYNTHETIC_VOCAB, SimTask, sim_reward, unit_hash
+from runtime.transport import connect
 
 log = logging.getLogger("runtime.sim.backend")
 
@@ -709,16 +711,10 @@ async def serve(config: Config, run_dir: RunDir, instance_ids: list[int]) -> int
     context = zmq.asyncio.Context()
     instances = []
     for i in instance_ids:
-        socket = context.socket(zmq.DEALER)
-        socket.setsockopt(zmq.IDENTITY, b"instance-%d" % i)
-        socket.setsockopt(zmq.LINGER, 1000)  # let the last acks out on a clean exit
-        if endpoints.server_public_key:
-            # Off-host binds use CurveZMQ; the client's own key pair can be ephemeral.
-            public, secret = zmq.curve_keypair()
-            socket.curve_serverkey = endpoints.server_public_key.encode()
-            socket.curve_publickey = public
-            socket.curve_secretkey = secret
-        socket.connect(endpoints.rollout)
+        # A long linger lets the last acks out on a clean exit.
+        socket = connect(
+            context, endpoints, "rollout", Role.WORKER, identity=b"instance-%d" % i, linger_ms=1000
+        )
         instances.append(SimInstance(i, socket, config.rollout.max_num_seqs_of(i), settings))
 
     stop = asyncio.Event()

@@ -47,6 +47,7 @@ from typing import Any
 import numpy as np
 import zmq
 
+from runtime.auth import Role
 from runtime.config import Config, ConfigError, LossConfig, read_run_config
 from runtime.protocol import (
     Batch,
@@ -62,6 +63,7 @@ from runtime.protocol import (
 from runtime.rundir import RunDir, atomic_write_bytes
 from runtime.scheduler.cost_model import CostModel
 from runtime.sim.backend import SIM_WEIGHTS_FORMAT, controller_alive, setup_logging
+from runtime.transport import connect
 
 log = logging.getLogger("runtime.sim.trainer")
 
@@ -165,15 +167,14 @@ class SimTrainer:
         self.version = resumed_version(run_dir)
         self.signal_name = ""
         self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IDENTITY, b"trainer")
-        self.socket.setsockopt(zmq.LINGER, 1000)
-        if self.endpoints.server_public_key:
-            public, secret = zmq.curve_keypair()
-            self.socket.curve_serverkey = self.endpoints.server_public_key.encode()
-            self.socket.curve_publickey = public
-            self.socket.curve_secretkey = secret
-        self.socket.connect(self.endpoints.trainer)
+        self.socket = connect(
+            self.context,
+            self.endpoints,
+            "trainer",
+            Role.TRAINER,
+            identity=b"trainer",
+            linger_ms=1000,
+        )
         self.encoder = Encoder()
         self.guard = FrameGuard("trainer")
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import zmq
 
+from runtime.auth import Role
 from runtime.config import Config, read_run_config
 from runtime.protocol import (
     Batch,
@@ -48,6 +49,7 @@ from runtime.protocol import (
 from runtime.rundir import JsonlWriter, RunDir
 from runtime.trainer import weights as weights_mod
 from runtime.trainer.train import EmptyBatch, Trainer
+from runtime.transport import connect
 
 log = logging.getLogger("runtime.trainer")
 
@@ -80,16 +82,9 @@ class ControllerLink:
     def __init__(self, run_dir: RunDir) -> None:
         endpoints = run_dir.read_endpoints()
         self.context = zmq.Context()
-        self.socket = self.context.socket(zmq.DEALER)
-        self.socket.setsockopt(zmq.IDENTITY, b"trainer")
-        self.socket.setsockopt(zmq.LINGER, 1000)
-        if endpoints.server_public_key:
-            # Off-host binds use CurveZMQ; the client's own key pair can be ephemeral.
-            public, secret = zmq.curve_keypair()
-            self.socket.curve_serverkey = endpoints.server_public_key.encode()
-            self.socket.curve_publickey = public
-            self.socket.curve_secretkey = secret
-        self.socket.connect(endpoints.trainer)
+        self.socket = connect(
+            self.context, endpoints, "trainer", Role.TRAINER, identity=b"trainer", linger_ms=1000
+        )
         self.encoder = Encoder()
         self.guard = FrameGuard("trainer")
 
