@@ -52,16 +52,83 @@ class ModelConfig(_Section):
     tiny: TinyModelConfig = TinyModelConfig()
 
 
+class RewardConfig(_Section):
+    """One reward function of ``task.rewards`` (``task.reward`` is the one-function shorthand)."""
+
+    fn: str = Field(min_length=1)
+    """``package.module:function`` or ``path/to/file.py:function``."""
+    weight: float = 1.0
+    style: Literal["trl", "verl"] = "trl"
+    """``trl``: ``fn(prompts, completions, completion_ids, **columns) -> list[float | None]``;
+    ``verl``: ``compute_score(data_source, solution_str, ground_truth, extra_info)`` per sample."""
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    """The name it is logged under (default: the function's name)."""
+    timeout_s: PositiveFloat | None = None
+    """Per-call limit; default ``task.reward_timeout_s``."""
+
+
 class TaskConfig(_Section):
-    name: Literal["target_length", "gsm8k", "sim"] = "target_length"
+    name: Literal["target_length", "gsm8k", "dataset", "sim"] = "target_length"
     dataset: str | None = None
-    """A JSONL file for dataset-backed tasks; built-in tasks generate their own prompts."""
+    """``gsm8k``: a JSONL file. ``dataset``: a JSONL/JSON, Parquet or CSV file, a directory
+    written by ``datasets.save_to_disk``, or a hub id."""
+    split: str = "train"
+    """Split of a hub dataset or a saved ``DatasetDict`` (a single file is one split)."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt: a string, or a chat list of ``{role, content}`` messages."""
+    id_field: str | None = None
+    """Column with a unique string or integer id per row (default: the row number)."""
+    max_prompt_tokens: PositiveInt | None = None
+    """Longer prompts are reported and skipped, never cut."""
+    chat_template: str | None = None
+    """Overrides the tokenizer's chat template: a Jinja string or a file holding one."""
+    reward: str | RewardConfig | None = None
+    rewards: list[RewardConfig] = []
+    reward_timeout_s: PositiveFloat = 60.0
+    on_reward_error: Literal["fail", "skip_group"] = "fail"
+    """A reward that raises, returns the wrong count, NaN or times out: stop the run (exit 1,
+    traceback in the worker's log), or drop the group, count it and go on."""
     num_prompts: PositiveInt = 256
     lengths_trace: str | None = None
     """Length trace the synthetic task draws its targets from (a file in shared/data/lengths)."""
     max_target_length: PositiveInt = 96
     sft_steps: NonNegativeInt = 200
     """Supervised warm-start steps before RL (0 to skip); cached per model and task."""
+
+    def reward_functions(self) -> list[RewardConfig]:
+        """``task.rewards``, or ``task.reward`` as a one-element list."""
+        if isinstance(self.reward, str):
+            return [RewardConfig(fn=self.reward)]
+        if self.reward is not None:
+            return [self.reward]
+        return list(self.rewards)
+
+    def check(self) -> None:
+        """Cross-field rules of the section (raised from ``Config``, so messages name fields)."""
+        if self.reward is not None and self.rewards:
+            raise ValueError("task.reward: give task.reward or task.rewards, not both")
+        if self.name == "dataset":
+            if not self.dataset:
+                raise ValueError(
+                    "task.dataset: task.name 'dataset' needs a file, a save_to_disk directory "
+                    "or a hub id"
+                )
+            if not self.reward_functions():
+                raise ValueError(
+                    "task.reward: task.name 'dataset' needs a reward function "
+                    "('package.module:function' or 'path/to/file.py:function')"
+                )
+        elif self.reward is not None or self.rewards:
+            raise ValueError(
+                f"task.reward: task {self.name!r} has its own reward; reward functions are "
+                "for task.name: dataset"
+            )
+        names = [fn.name or fn.fn.rpartition(":")[2] for fn in self.reward_functions()]
+        if len(set(names)) != len(names):
+            raise ValueError(
+                f"task.rewards: two reward functions log under one name ({names}); "
+                "set a distinct name on each"
+            )
 
 
 class SamplingConfig(_Section):
@@ -199,6 +266,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
+        self.task.check()
         if self.async_.lag_bound > self.async_.max_lag_bound:
             raise ValueError(
                 f"async.lag_bound: {self.async_.lag_bound} exceeds async.max_lag_bound "
@@ -324,7 +392,7 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-_UNION_BRANCHES = {"int", "constrained-int", "list[InstanceConfig]"}
+_UNION_BRANCHES = {"int", "constrained-int", "list[InstanceConfig]", "str", "RewardConfig"}
 
 
 def _dotted(loc: tuple[int | str, ...]) -> str:
