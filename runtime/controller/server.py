@@ -31,7 +31,7 @@ from runtime import protocol as P
 from runtime.bubbles import BubbleAccountant, free_slot_cause
 from runtime.config import Config, read_run_config
 from runtime.controller import commands
-from runtime.controller.governor import ABORTED, LagGovernor, LagRecorder
+from runtime.controller.governor import ABORTED, SKIPPED, LagGovernor, LagRecorder
 from runtime.controller.instances import (
     DOWN,
     PAUSED,
@@ -50,7 +50,9 @@ from runtime.rundir import Endpoints, JsonlWriter, RunDir, read_jsonl
 
 log = logging.getLogger(__name__)
 
-ROLLOUT_TYPES = P.WorkerHello | P.Heartbeat | P.GroupDone | P.GroupAborted | P.WorkerAck
+ROLLOUT_TYPES = (
+    P.WorkerHello | P.Heartbeat | P.GroupDone | P.GroupAborted | P.GroupFailed | P.WorkerAck
+)
 TRAINER_TYPES = P.TrainerHello | P.BatchRequest | P.StepDone
 CONTROL_TYPES = P.Command
 SIM_BACKEND = "sim-backend"
@@ -116,8 +118,10 @@ class Controller:
         )
         self.governor.counters.discarded = st.discarded_total if self.resumed else 0
         self.governor.counters.requeued = st.requeued_total if self.resumed else 0
+        self.governor.counters.skipped = st.skipped_total if self.resumed else 0
         self.governor.counters.admitted += self.governor.counters.discarded
         self.governor.counters.admitted += self.governor.counters.requeued
+        self.governor.counters.admitted += self.governor.counters.skipped
         self.next_group_id = max(st.next_group_id, _max_ledger_group(self.rd.ledger) + 1)
 
         now = time.time()
@@ -158,6 +162,8 @@ class Controller:
         self._batch_tokens = 0
         self._batch_samples = 0
         self._batch_rewards: list[float] = []
+        self._batch_fn_rewards: dict[str, float] = {}
+        self._pending_events: list[tuple[str, str, dict[str, Any]]] = []
         self._batch_bound = self.governor.lag_bound
         self._batch_pending: int | None = None
         self._seen_pending: int | None = None
@@ -274,13 +280,21 @@ class Controller:
             endpoints=addresses,
         )
         await asyncio.get_running_loop().run_in_executor(None, self._load_task)
+        for kind, message, data in self._pending_events:  # found in the loader's thread
+            self._event(kind, message, **data)
         self._new_epoch(self.epoch, skip=self.consumed_prompts)
         self.state = "running"
 
     def _load_task(self) -> None:
         """Prompts, their token ids and weight version 0 (blocking; runs in a thread)."""
         from runtime.scheduler.lengths import LengthHistory, read_lengths
-        from runtime.tasks import build_task, encode_prompt, ensure_model, load_tokenizer
+        from runtime.tasks import (
+            build_task,
+            encode_prompt,
+            ensure_model,
+            load_tokenizer,
+            resolve_chat_template,
+        )
 
         cfg = self.config
         task = build_task(cfg)
@@ -291,13 +305,15 @@ class Controller:
         tokenizer = None
         if not self.sim:
             tokenizer = load_tokenizer(self.model_path)
+        template = resolve_chat_template(cfg.task.chat_template)
         for pid, prompt in self.prompts.items():
             if tokenizer is not None:
-                ids = encode_prompt(tokenizer, prompt)
+                ids = encode_prompt(tokenizer, prompt, template)
             else:
                 # No model behind simulated instances: the task makes ids of the prompt's length.
                 ids = task.prompt_token_ids(prompt)
             self.prompt_tokens[pid] = np.asarray(ids, dtype=np.int32)
+        self._skip_long_prompts(task)
         initial = None
         if cfg.scheduler.lengths:
             initial = read_lengths(cfg.scheduler.lengths).as_map()
@@ -306,6 +322,31 @@ class Controller:
             prompt_tokens={pid: int(t.size) for pid, t in self.prompt_tokens.items()},
         )
         self.weights_path[0] = self.model_path
+
+    def _skip_long_prompts(self, task: Any) -> None:
+        """Prompts over ``task.max_prompt_tokens`` are reported and left out, never cut."""
+        limit = self.config.task.max_prompt_tokens
+        if limit is None:
+            return
+        long = sorted(pid for pid, ids in self.prompt_tokens.items() if ids.size > limit)
+        if not long:
+            return
+        label = getattr(task, "label", None)
+        names = [label(self.prompts[pid]) if label else str(pid) for pid in long]
+        shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+        log.warning("%d prompt(s) over %d tokens skipped: %s", len(long), limit, shown)
+        for pid in long:
+            del self.prompts[pid], self.prompt_tokens[pid]
+        if not self.prompts:
+            raise ValueError(f"task.max_prompt_tokens: every prompt is longer than {limit} tokens")
+        self._pending_events.append(
+            (
+                "task",
+                f"{len(long)} prompt(s) longer than task.max_prompt_tokens ({limit}) "
+                f"skipped: {shown}",
+                {"skipped_prompts": len(long), "max_prompt_tokens": limit},
+            )
+        )
 
     def _new_epoch(self, epoch: int, skip: set[int] | None = None) -> None:
         """Plan ``epoch`` and make it current, blocking (start-up, and when no loop runs)."""
@@ -480,6 +521,8 @@ class Controller:
             await asyncio.gather(*(self.supervisor.wait_exit(n, 15.0) for n in names))
         else:
             await asyncio.sleep(0.2)  # let the Shutdown frames leave
+        if self.exit_code == 0 and not self.sim and self.spawn:
+            await self._export_final()
         self.state = "finished" if self.exit_code == 0 else "failed"
         self._publish_snapshot()
         self._event(
@@ -489,6 +532,27 @@ class Controller:
             version=self.governor.version,
         )
         self._save_state()
+
+    async def _export_final(self) -> None:
+        """``final/``: the last weights as a Hugging Face model directory (off the loop)."""
+        from runtime.export import FINAL_DIR, export_version
+
+        target = self.rd.root / FINAL_DIR
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                None, export_version, self.rd.root, target, None
+            )
+        except Exception as exc:
+            log.exception("export of the final weights failed")
+            self._event("run", f"export to {target} failed: {exc}", error=str(exc))
+            self.exit_code = self.exit_code or 1
+            return
+        self._event(
+            "run",
+            f"final weights (v{self.governor.version}) exported to {target}",
+            path=str(target),
+            version=self.governor.version,
+        )
 
     # ============================================================================ socket loops
     async def _read_loop(self, name: str) -> None:
@@ -545,6 +609,8 @@ class Controller:
             self._on_group_done(inst, msg, now)
         elif isinstance(msg, P.GroupAborted):
             self._on_group_aborted(inst, msg)
+        elif isinstance(msg, P.GroupFailed):
+            self._on_group_failed(inst, msg)
         elif isinstance(msg, P.WorkerAck):
             self._on_worker_ack(inst, msg, now)
         self._after_change()
@@ -694,6 +760,41 @@ class Controller:
         self.governor.cancel(msg.group_id, ABORTED)
         self.ledger.aborted(msg.group_id, reason=f"worker: {msg.reason}")
         self._give_back(flight.prompt_id, flight.epoch)
+
+    def _on_group_failed(self, inst: Instance, msg: P.GroupFailed) -> None:
+        """A reward function failed on a group: stop the run, or drop the group and count it
+        (``task.on_reward_error``). The group is never scored in its place, nor handed out
+        again this epoch: the same prompt would fail the same way."""
+        flight = inst.in_flight.pop(msg.group_id, None)
+        if flight is None or flight.aborting:
+            self.ledger.ignored(msg.group_id, reason="result of a group no longer in flight")
+            return
+        self.governor.cancel(msg.group_id, SKIPPED)
+        self.ledger.skipped(msg.group_id, reason=msg.error)
+        if flight.epoch == self.epoch:
+            self.consumed_prompts.add(flight.prompt_id)
+        if self.config.task.on_reward_error == "fail":
+            log.error("reward failed on instance %d: %s", inst.instance_id, msg.error)
+            self._event(
+                "reward",
+                f"reward failed, stopping (task.on_reward_error: fail): {msg.error}; "
+                f"traceback in logs/worker-{inst.instance_id}.log",
+                group=msg.group_id,
+                prompt=msg.prompt_id,
+                instance=inst.instance_id,
+                error=msg.error,
+            )
+            self.request_stop(f"reward failed: {msg.error}", code=1)
+            return
+        self._event(
+            "reward",
+            f"group {msg.group_id} skipped (task.on_reward_error: skip_group): {msg.error}",
+            group=msg.group_id,
+            prompt=msg.prompt_id,
+            instance=inst.instance_id,
+            error=msg.error,
+            skipped_total=self.governor.counters.skipped,
+        )
 
     # ============================================================================ dispatch
     def _after_change(self) -> None:
@@ -1106,6 +1207,7 @@ class Controller:
         self._batch_tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
         self._batch_samples = sum(len(g.completions) for g in groups)
         self._batch_rewards = [c.reward for g in groups for c in g.completions]
+        self._batch_fn_rewards = _per_function_means(groups)
         self._send(
             self.sockets.trainer,
             self.trainer_identity,
@@ -1211,7 +1313,10 @@ class Controller:
             "tokens_per_s": tokens / iteration,
             "epoch": self.epoch,
             "discarded_total": gov.counters.discarded + gov.counters.aborted,
+            "skipped_groups_total": gov.counters.skipped,
         }
+        if self._batch_fn_rewards:
+            record["reward_functions"] = dict(self._batch_fn_rewards)
         if len(self._observed_pairs) >= 2:
             from runtime.scheduler.lengths import predictor_quality
 
@@ -1534,6 +1639,7 @@ class Controller:
                     next_group_id=self.next_group_id,
                     discarded_total=c.discarded + c.aborted,
                     requeued_total=c.requeued,
+                    skipped_total=c.skipped,
                     finished=gov.version >= self.total_steps,
                     time=time.time(),
                 ),
@@ -1547,6 +1653,16 @@ def _child_env() -> dict[str, str]:
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def _per_function_means(groups: list[P.TrainGroup]) -> dict[str, float]:
+    """Mean score of each reward function over the completions it scored (None left out)."""
+    scores: dict[str, list[float]] = {}
+    for group in groups:
+        for completion in group.completions:
+            for name, value in completion.rewards.items():
+                scores.setdefault(name, []).append(value)
+    return {name: float(np.mean(values)) for name, values in scores.items()}
 
 
 def _max_ledger_group(path: Path) -> int:

@@ -6,8 +6,9 @@ starts the engine on weight version 0 and says ``WorkerHello``. Then it heartbea
 ``rollout.heartbeat_s`` and serves the controller's requests:
 
 - ``Generate``: one group; the finished group goes back as ``GroupDone`` (token ids, behaviour
-  log-probs, version span and reward of every sample) or, if any sample was aborted, as
-  ``GroupAborted``. Groups run concurrently; vLLM schedules up to ``max_num_seqs`` sequences.
+  log-probs, version span and reward of every sample), as ``GroupAborted`` if any sample was
+  aborted, or as ``GroupFailed`` if a reward function failed on it (traceback in this log).
+  Groups run concurrently; vLLM schedules up to ``max_num_seqs`` sequences.
 - ``PauseWorker(mode)`` / ``ResumeWorker``: vLLM's own pause (``keep``, ``wait``, ``abort``).
 - ``UpdateWeights(version, path, mode)``: in place, ``boundary`` or ``keep`` (see
   ``RolloutEngine.update_weights``). Generates that arrive meanwhile wait behind it.
@@ -27,7 +28,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from runtime.protocol import (
     Generate,
     GroupAborted,
     GroupDone,
+    GroupFailed,
     Heartbeat,
     PauseWorker,
     ResumeWorker,
@@ -52,6 +54,7 @@ from runtime.protocol import (
     WorkerAck,
     WorkerHello,
 )
+from runtime.tasks.rewards import GroupRewards, RewardError
 
 if __name__ == "__mp_main__":
     # This module is being re-imported by a process that vLLM spawned from the worker (its
@@ -60,24 +63,32 @@ if __name__ == "__mp_main__":
 
 log = logging.getLogger("runtime.rollout.worker")
 
-RewardFn = Callable[[int, Sequence[int]], float]
-"""``reward(prompt_id, completion_token_ids)``."""
+RewardFn = Callable[[int, Sequence[Sequence[int]]], Awaitable[GroupRewards]]
+"""``await reward(prompt_id, completion_token_ids_of_the_group)``."""
 
 
 class TaskRewarder:
-    """Scores completions with the run's task: decode the tokens, then ``task.reward``."""
+    """Scores a group with the run's task: decode the tokens, then the task's reward.
+
+    A task with ``score_group`` (the user's reward functions) scores the whole group in one call
+    and may raise ``RewardError``; a built-in task scores each completion.
+    """
 
     def __init__(self, task: Any, tokenizer: Any) -> None:
         self._task = task
         self._tokenizer = tokenizer
         self._prompts = {prompt.prompt_id: prompt for prompt in task.prompts}
 
-    def __call__(self, prompt_id: int, token_ids: Sequence[int]) -> float:
+    async def __call__(self, prompt_id: int, group: Sequence[Sequence[int]]) -> GroupRewards:
         prompt = self._prompts.get(prompt_id)
         if prompt is None:
             raise KeyError(f"prompt_id {prompt_id} is not in task {self._task.name!r}")
-        text = self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
-        return float(self._task.reward(prompt, text))
+        ids = [list(token_ids) for token_ids in group]
+        texts = [self._tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+        score_group = getattr(self._task, "score_group", None)
+        if score_group is not None:
+            return await score_group(prompt, texts, ids)
+        return GroupRewards([float(self._task.reward(prompt, t)) for t in texts], {})
 
 
 class RolloutWorker:
@@ -328,6 +339,22 @@ class RolloutWorker:
                 reason = "aborted" if group_id in self._aborting else "aborted by a pause"
                 await self._send_aborted(group_id, reason)
                 return
+            try:
+                scores = await self.reward(
+                    message.prompt_id, [sample.token_ids.tolist() for sample in samples]
+                )
+            except RewardError as exc:
+                # The traceback (the user's function's own, chained) goes to this worker's log.
+                log.exception("group %d: %s", group_id, exc)
+                await self._send(
+                    GroupFailed(
+                        group_id=group_id,
+                        prompt_id=message.prompt_id,
+                        instance_id=self.instance_id,
+                        error=str(exc),
+                    )
+                )
+                return
             completions = [
                 Completion(
                     token_ids=sample.token_ids,
@@ -335,10 +362,15 @@ class RolloutWorker:
                     version_min=sample.version_min,
                     version_max=sample.version_max,
                     finish_reason=sample.finish_reason,
-                    reward=self.reward(message.prompt_id, sample.token_ids.tolist()),
+                    reward=scores.totals[k],
                     finished_at=sample.finished_at,
+                    rewards={
+                        name: values[k]
+                        for name, values in scores.per_function.items()
+                        if values[k] is not None
+                    },
                 )
-                for sample in samples
+                for k, sample in enumerate(samples)
             ]
             await self._send(
                 GroupDone(
