@@ -295,3 +295,34 @@ def test_fail_stops_the_run_with_the_traceback_in_the_log(tmp_path: Path) -> Non
     assert events and "reward function 'flaky' on prompt id 'q00'" in events[0]["message"]
     assert not (run_dir / "final").exists()
     assert verify_ledger(rd.ledger).ok
+
+
+def test_examples_math_trains_and_exports(tmp_path: Path) -> None:
+    """What `make example` runs, from the repository root as the Makefile does."""
+    run_dir = tmp_path / "math"
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "asp_tui.cli",
+            "run",
+            "--headless",
+            "--config",
+            "examples/math/run.yaml",
+            "--run-dir",
+            str(run_dir),
+            "--set",
+            "trainer.steps=2",
+        ],
+        cwd=REPO,
+        env=dict(os.environ, PYTHONPATH=str(REPO)),
+        capture_output=True,
+        text=True,
+        timeout=420,
+        check=False,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
+    steps = [r for r in read_jsonl(RunDir(run_dir).metrics) if r.get("event") == "step"]
+    assert [r["step"] for r in steps] == [1, 2]
+    assert all(set(r["reward_functions"]) == {"correctness", "brevity"} for r in steps)
+    assert (run_dir / "final" / "model.safetensors").is_file()
