@@ -231,10 +231,24 @@ class AsyncConfig(_Section):
     max_lag_bound: NonNegativeInt = 16
 
 
+class WandbConfig(_Section):
+    """Weights & Biases logging of every step record (``WANDB_MODE=offline`` needs no network)."""
+
+    project: str = Field(min_length=1)
+    name: str | None = None
+    """The W&B run's name (default: ``run.name``)."""
+    entity: str | None = None
+    run_id: str | None = None
+    """Resume this W&B run instead of starting a new one."""
+
+
 class TelemetryConfig(_Section):
     hz: Annotated[float, Field(gt=0.0, le=100.0)] = 4.0
     ring_size: PositiveInt = 600
     window_s: PositiveFloat = 10.0
+    tensorboard: bool = True
+    """Step records also go to TensorBoard event files in ``<run_dir>/tensorboard``."""
+    wandb: WandbConfig | None = None
 
 
 class ControllerConfig(_Section):

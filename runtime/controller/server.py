@@ -192,6 +192,7 @@ class Controller:
         self.sockets: Any = None
         self.telemetry: Telemetry | None = None
         self.metrics = JsonlWriter(self.rd.metrics)
+        self.trackers: Any = None  # TensorBoard / W&B, started with the sockets
         self.ledger = Ledger(self.rd.ledger)
         self.supervisor = Supervisor(self._on_child_exit, env=_child_env())
         self._tasks: list[asyncio.Task] = []
@@ -237,6 +238,9 @@ class Controller:
             self._save_state()
             self.metrics.close()
             self.ledger.close()
+            if self.trackers is not None:
+                with contextlib.suppress(Exception):  # tracking never changes the exit code
+                    self.trackers.close()
             if self.sockets is not None:
                 self.sockets.close()
             if self.ctx is not None:
@@ -265,6 +269,9 @@ class Controller:
                 started_at=time.time(),
             )
         )
+        from runtime.tracking import Trackers
+
+        self.trackers = Trackers(self.rd.root, cfg)
         self.ledger.controller_start(
             version=self.governor.version, epoch=self.epoch, resumed=self.resumed
         )
@@ -1329,6 +1336,8 @@ class Controller:
         for cat, value in predicted.items():
             record[f"predicted_bubble_{cat}"] = value
         self.metrics.write(record)
+        if self.trackers is not None:
+            self.trackers.log(record, step + 1)
         self._save_state()
         if gov.version >= self.total_steps:
             self.request_stop(f"trainer.steps ({self.total_steps}) reached", code=0)

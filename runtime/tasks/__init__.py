@@ -185,13 +185,22 @@ def _build_builtin(config: Config, out_dir: Path, progress: ProgressFn | None) -
 
 
 def preflight(config: Config) -> Config:
-    """Check the task before any process starts, and fix its local paths.
+    """Check the task (and that telemetry.wandb can be honoured) before any process starts,
+    and fix the task's local paths.
 
     For ``task.name: dataset`` this loads the dataset and imports and checks every reward
     function, so a missing file or field, an unimportable path, a wrong signature or an empty
     dataset is a ``ConfigError`` (exit 2). Local paths (dataset, reward files, chat template)
     are made absolute, since every process reads the resolved config from the run directory.
     """
+    import importlib.util
+
+    if config.telemetry.wandb is not None and importlib.util.find_spec("wandb") is None:
+        from runtime.config import ConfigError
+
+        raise ConfigError(
+            "telemetry.wandb: the wandb package is not installed; pip install 'asp-tui[wandb]'"
+        )
     if config.task.name != "dataset":
         return config
     task = config.task.model_copy(deep=True)
