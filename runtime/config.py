@@ -67,6 +67,19 @@ class RewardConfig(_Section):
     """Per-call limit; default ``task.reward_timeout_s``."""
 
 
+class EvalConfig(_Section):
+    """Eval prompts, run on one instance every ``every`` steps and once at the end."""
+
+    dataset: str = Field(min_length=1)
+    """Same formats and fields (prompt_field, id_field, rewards) as ``task.dataset``."""
+    every: PositiveInt = 10
+    n: PositiveInt = 4
+    """Samples per prompt; pass@n is reported when every reward is 0 or 1."""
+    temperature: Annotated[float, Field(ge=0.0)] = 1.0
+    timeout_s: PositiveFloat = 600.0
+    """How long the final eval may take before the run ends without it."""
+
+
 class TaskConfig(_Section):
     name: Literal["target_length", "gsm8k", "dataset", "sim"] = "target_length"
     dataset: str | None = None
@@ -85,6 +98,7 @@ class TaskConfig(_Section):
     reward: str | RewardConfig | None = None
     rewards: list[RewardConfig] = []
     reward_timeout_s: PositiveFloat = 60.0
+    eval: EvalConfig | None = None
     on_reward_error: Literal["fail", "skip_group"] = "fail"
     """A reward that raises, returns the wrong count, NaN or times out: stop the run (exit 1,
     traceback in the worker's log), or drop the group, count it and go on."""
@@ -118,6 +132,11 @@ class TaskConfig(_Section):
                     "task.reward: task.name 'dataset' needs a reward function "
                     "('package.module:function' or 'path/to/file.py:function')"
                 )
+        elif self.eval is not None:
+            raise ValueError(
+                f"task.eval: evaluation runs the reward functions of task.name: dataset; "
+                f"task {self.name!r} has none"
+            )
         elif self.reward is not None or self.rewards:
             raise ValueError(
                 f"task.reward: task {self.name!r} has its own reward; reward functions are "

@@ -52,14 +52,14 @@ NAMES: dict[str, str] = {
 }
 """metrics.jsonl field -> tracker name. ``bubble_<c>`` -> ``bubble/<c>``, ``predicted_bubble_<c>``
 -> ``bubble_predicted/<c>``, ``reward_functions[fn]`` -> ``reward/<fn>``, ``tokens / samples`` ->
-``completions/mean_length``, ``eval_<m>`` -> ``eval/<m>``."""
+``completions/mean_length``, ``eval_<m>`` -> ``eval/<m>`` (``pass@k`` -> ``pass_at_k``)."""
 
 
 def tracker_scalars(record: Mapping[str, Any]) -> dict[str, float]:
     """The numbers of a step (or eval) record under their tracker names."""
     out: dict[str, float] = {}
     for key, value in record.items():
-        if key in ("event", "step", "version", "time") or isinstance(value, bool):
+        if key in ("event", "step", "version", "time", "instance") or isinstance(value, bool):
             continue
         if key == "reward_functions" and isinstance(value, Mapping):
             for fn, mean in value.items():
@@ -72,7 +72,8 @@ def tracker_scalars(record: Mapping[str, Any]) -> dict[str, float]:
         elif key.startswith("bubble_"):
             name = "bubble/" + key.removeprefix("bubble_")
         elif key.startswith("eval_"):
-            name = "eval/" + key.removeprefix("eval_")
+            # TensorBoard allows no '@' in a tag: pass@4 is logged as pass_at_4.
+            name = "eval/" + key.removeprefix("eval_").replace("@", "_at_")
         else:
             name = NAMES.get(key, key)
         out[name] = float(value)

@@ -407,3 +407,59 @@ def test_ledger_accounts_for_skipped_groups() -> None:
     assert report.counts["skipped"] == 1
     assert report.requeued_pending == []  # a skipped prompt is not owed a retry
     assert report.errors == ["line 5: 'skipped' for group 1 in state completed"]
+
+
+# --- evaluation rounds -------------------------------------------------------------------------
+
+
+def _completion(reward: float, length: int, **per_fn: float):
+    import numpy as np
+
+    from runtime.protocol import Completion
+
+    return Completion(
+        token_ids=np.zeros(length, dtype=np.int32),
+        logprobs=np.zeros(length, dtype=np.float32),
+        version_min=4,
+        version_max=4,
+        finish_reason="stop",
+        reward=reward,
+        finished_at=0.0,
+        rewards=per_fn,
+    )
+
+
+def test_eval_round_reports_mean_reward_pass_at_k_and_length() -> None:
+    from runtime.controller.evaluation import EvalRound, pass_at_k
+
+    assert pass_at_k(4, 0, 4) == 0.0 and pass_at_k(4, 1, 4) == 1.0
+    assert pass_at_k(4, 1, 1) == pytest.approx(0.25)
+    round_ = EvalRound(version=4, final=True, instance_id=0, pending={-1, -2, -3})
+    round_.completed(-1, 100, [_completion(1.1, 2, ok=1.0), _completion(0.1, 4, ok=0.0)])
+    round_.completed(-2, 101, [_completion(0.1, 6, ok=0.0), _completion(0.1, 8, ok=0.0)])
+    assert not round_.done
+    round_.failed(-3, "reward function 'ok' on prompt id 'x': boom")
+    assert round_.done
+    summary = round_.summary(n=2)
+    assert summary["eval_reward_mean"] == pytest.approx(0.35)
+    assert summary["eval_mean_length"] == 5.0
+    assert summary["eval_failed_groups"] == 1 and summary["eval_prompts"] == 2
+    assert "eval_pass@2" not in summary  # the total (1.1, 0.1) is not a 0/1 reward
+    assert summary["eval_pass@1/ok"] == pytest.approx(0.25)  # (1/2 + 0) / 2
+    assert summary["eval_pass@2/ok"] == pytest.approx(0.5)
+    assert summary["eval_reward/ok"] == pytest.approx(0.25)
+    assert summary["eval_weight_version"] == 4
+
+
+def test_eval_set_is_checked_like_the_training_set(data: Path, tmp_path: Path) -> None:
+    reward = write_module(tmp_path, "trl_rewards", TRL_REWARDS)
+    missing = {"dataset": str(tmp_path / "no-eval.jsonl"), "every": 2}
+    with pytest.raises(ConfigError, match=r"task.eval.dataset: '.*no-eval.jsonl': no such file"):
+        preflight(dataset_config(data, f"{reward}:reward_len", eval=missing))
+    resolved = preflight(
+        dataset_config(data, f"{reward}:reward_len", eval={"dataset": str(data), "every": 2})
+    )
+    evaluation = DatasetTask.eval_of(resolved)
+    assert evaluation is not None
+    assert [p.prompt_id for p in evaluation.prompts] == [1 << 30, (1 << 30) + 1]
+    assert evaluation.label(evaluation.prompts[1]) == "id 1 (row 1 of the eval set)"

@@ -67,6 +67,15 @@ def write_user_files(root: Path, on_error: str, rows: int = 12) -> Path:
                 "mode": mode,
             }
             handle.write(json.dumps(record) + "\n")
+    with (root / "eval.jsonl").open("w") as handle:
+        for i in range(3):
+            record = {
+                "uid": f"e{i}",
+                "messages": [{"role": "user", "content": f"Count to {i + 20}."}],
+                "base": 100.0 + i,
+                "mode": "ok",
+            }
+            handle.write(json.dumps(record) + "\n")
     (root / "reward.py").write_text(textwrap.dedent(REWARD_MODULE))
     (root / "template.jinja").write_text(TEMPLATE)
     config = {
@@ -83,6 +92,7 @@ def write_user_files(root: Path, on_error: str, rows: int = 12) -> Path:
                 {"fn": f"{root / 'reward.py'}:flaky", "timeout_s": 1.0},
             ],
             "on_reward_error": on_error,
+            "eval": {"dataset": str(root / "eval.jsonl"), "every": 2, "n": 2},
             "sft_steps": 0,
         },
         "rollout": {
@@ -151,6 +161,30 @@ def test_user_rewards_reach_the_step_records(skip_run: RunDir) -> None:
         assert set(record["reward_functions"]) == {"marker", "flaky"}
         assert record["reward_functions"]["flaky"] == 0.0
         assert record["reward_functions"]["marker"] == pytest.approx(record["reward_mean"])
+
+
+def test_eval_every_n_steps_and_at_the_end(skip_run: RunDir) -> None:
+    evals = [r for r in read_jsonl(skip_run.metrics) if r.get("event") == "eval"]
+    assert [(r["step"], r["final"]) for r in evals] == [(2, False), (3, True)]
+    for record in evals:
+        assert record["eval_prompts"] == 3 and record["eval_failed_groups"] == 0
+        # The eval rows have base 100..102: `marker` scored them, not the training rows.
+        assert 1100.0 < record["eval_reward_mean"] < 1102.0 + 0.017
+        assert record["eval_reward/flaky"] == 0.0
+        assert record["eval_pass@1/flaky"] == 0.0 and record["eval_pass@2/flaky"] == 0.0
+        assert 1 <= record["eval_mean_length"] <= 16
+    assert evals[-1]["eval_weight_version"] == 3  # the final round ran on the final weights
+
+
+def test_tensorboard_has_the_real_runs_metrics(skip_run: RunDir) -> None:
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(skip_run.root / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    assert {"reward/mean", "reward/marker", "reward/flaky", "completions/mean_length"} <= tags
+    assert {"eval/reward_mean", "eval/pass_at_2/flaky", "groups/skipped_total"} <= tags
+    assert [e.step for e in events.Scalars("reward/marker")] == [1, 2, 3]
 
 
 def test_skip_group_drops_each_failing_group_and_the_ledger_accounts_for_it(
@@ -325,4 +359,6 @@ def test_examples_math_trains_and_exports(tmp_path: Path) -> None:
     steps = [r for r in read_jsonl(RunDir(run_dir).metrics) if r.get("event") == "step"]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(set(r["reward_functions"]) == {"correctness", "brevity"} for r in steps)
+    final_eval = [r for r in read_jsonl(RunDir(run_dir).metrics) if r.get("event") == "eval"]
+    assert final_eval[-1]["final"] and "eval_pass@4/correctness" in final_eval[-1]
     assert (run_dir / "final" / "model.safetensors").is_file()

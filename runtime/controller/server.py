@@ -31,6 +31,7 @@ from runtime import protocol as P
 from runtime.bubbles import BubbleAccountant, free_slot_cause
 from runtime.config import Config, read_run_config
 from runtime.controller import commands
+from runtime.controller.evaluation import EvalRound, eval_group_ids
 from runtime.controller.governor import ABORTED, SKIPPED, LagGovernor, LagRecorder
 from runtime.controller.instances import (
     DOWN,
@@ -164,6 +165,10 @@ class Controller:
         self._batch_rewards: list[float] = []
         self._batch_fn_rewards: dict[str, float] = {}
         self._pending_events: list[tuple[str, str, dict[str, Any]]] = []
+        self.eval_prompts: dict[int, Any] = {}
+        self.eval_tokens: dict[int, np.ndarray] = {}
+        self.eval_round: EvalRound | None = None
+        self._eval_ids = eval_group_ids()
         self._batch_bound = self.governor.lag_bound
         self._batch_pending: int | None = None
         self._seen_pending: int | None = None
@@ -320,7 +325,17 @@ class Controller:
                 # No model behind simulated instances: the task makes ids of the prompt's length.
                 ids = task.prompt_token_ids(prompt)
             self.prompt_tokens[pid] = np.asarray(ids, dtype=np.int32)
-        self._skip_long_prompts(task)
+        self._skip_long_prompts(task, self.prompts, self.prompt_tokens, "training")
+        from runtime.tasks.dataset import DatasetTask
+
+        eval_task = DatasetTask.eval_of(cfg)
+        if eval_task is not None and tokenizer is not None:
+            self.eval_prompts = {p.prompt_id: p for p in eval_task.prompts}
+            self.eval_tokens = {
+                pid: np.asarray(encode_prompt(tokenizer, p, template), dtype=np.int32)
+                for pid, p in self.eval_prompts.items()
+            }
+            self._skip_long_prompts(eval_task, self.eval_prompts, self.eval_tokens, "eval")
         initial = None
         if cfg.scheduler.lengths:
             initial = read_lengths(cfg.scheduler.lengths).as_map()
@@ -330,28 +345,32 @@ class Controller:
         )
         self.weights_path[0] = self.model_path
 
-    def _skip_long_prompts(self, task: Any) -> None:
+    def _skip_long_prompts(
+        self, task: Any, prompts: dict[int, Any], tokens: dict[int, np.ndarray], what: str
+    ) -> None:
         """Prompts over ``task.max_prompt_tokens`` are reported and left out, never cut."""
         limit = self.config.task.max_prompt_tokens
         if limit is None:
             return
-        long = sorted(pid for pid, ids in self.prompt_tokens.items() if ids.size > limit)
+        long = sorted(pid for pid, ids in tokens.items() if ids.size > limit)
         if not long:
             return
         label = getattr(task, "label", None)
-        names = [label(self.prompts[pid]) if label else str(pid) for pid in long]
+        names = [label(prompts[pid]) if label else str(pid) for pid in long]
         shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
-        log.warning("%d prompt(s) over %d tokens skipped: %s", len(long), limit, shown)
+        log.warning("%d %s prompt(s) over %d tokens skipped: %s", len(long), what, limit, shown)
         for pid in long:
-            del self.prompts[pid], self.prompt_tokens[pid]
-        if not self.prompts:
-            raise ValueError(f"task.max_prompt_tokens: every prompt is longer than {limit} tokens")
+            del prompts[pid], tokens[pid]
+        if not prompts:
+            raise ValueError(
+                f"task.max_prompt_tokens: every {what} prompt is longer than {limit} tokens"
+            )
         self._pending_events.append(
             (
                 "task",
-                f"{len(long)} prompt(s) longer than task.max_prompt_tokens ({limit}) "
+                f"{len(long)} {what} prompt(s) longer than task.max_prompt_tokens ({limit}) "
                 f"skipped: {shown}",
-                {"skipped_prompts": len(long), "max_prompt_tokens": limit},
+                {"skipped_prompts": len(long), "max_prompt_tokens": limit, "set": what},
             )
         )
 
@@ -517,6 +536,8 @@ class Controller:
         if self.spawn and self.supervisor.alive(TRAINER):
             # The trainer finishes its step, asks again, gets Shutdown and checkpoints.
             await self.supervisor.wait_exit(TRAINER, cfg.trainer.step_timeout_s + 60.0)
+        if cfg.task.eval is not None and self.exit_code == 0 and self.eval_prompts:
+            await self._final_eval(cfg.task.eval.timeout_s)
         elif not self.spawn and self.trainer_connected and not self.trainer_shutdown_sent:
             deadline = time.time() + min(30.0, cfg.trainer.step_timeout_s)
             while not self.trainer_shutdown_sent and time.time() < deadline:
@@ -604,6 +625,9 @@ class Controller:
             return
         now = time.time()
         inst.last_heartbeat = now
+        if isinstance(msg, P.GroupDone | P.GroupAborted | P.GroupFailed) and msg.group_id < 0:
+            self._on_eval_result(msg)
+            return
         if isinstance(msg, P.WorkerHello):
             self._on_hello(inst, msg, now)
         elif isinstance(msg, P.Heartbeat):
@@ -802,6 +826,105 @@ class Controller:
             error=msg.error,
             skipped_total=self.governor.counters.skipped,
         )
+
+    # ============================================================================ evaluation
+    def _start_eval(self, final: bool) -> bool:
+        """Send every eval prompt to one running instance; False if no round could start."""
+        cfg = self.config.task.eval
+        if cfg is None or not self.eval_prompts:
+            return False
+        version = self.governor.version
+        if self.eval_round is not None and not self.eval_round.done:
+            self._event("eval", f"eval at v{version} not started: the previous round is running")
+            return False
+        # A syncing instance holds the round until its new weights are in (worker.py), so the
+        # round right after a step runs on that step's weights.
+        ready = [
+            inst
+            for inst in self.instances.values()
+            if inst.state in (RUNNING, SYNCING) and not inst.operator_paused
+        ]
+        if not ready:
+            self._event("eval", f"eval at v{version} not started: no running instance")
+            return False
+        inst = min(ready, key=lambda x: (len(x.in_flight), x.instance_id))
+        pending = {}
+        for pid in self.eval_prompts:
+            gid = next(self._eval_ids)
+            pending[gid] = pid
+        self.eval_round = EvalRound(version, final, inst.instance_id, set(pending))
+        max_tokens = self.config.rollout.sampling.max_tokens
+        for gid, pid in pending.items():
+            self._send_worker(
+                inst,
+                P.Generate(
+                    group_id=gid,
+                    prompt_id=pid,
+                    prompt_token_ids=self.eval_tokens[pid],
+                    n=cfg.n,
+                    max_tokens=max_tokens,
+                    temperature=cfg.temperature,
+                    seed=None if self.config.rollout.sampling.seed is None else -gid,
+                ),
+            )
+        log.info("eval at v%d: %d prompts on instance %d", version, len(pending), inst.instance_id)
+        return True
+
+    def _on_eval_result(self, msg: Any) -> None:
+        round_ = self.eval_round
+        if round_ is None or msg.group_id not in round_.pending:
+            return  # a round given up on (its instance went down, or the run is ending)
+        if isinstance(msg, P.GroupDone):
+            round_.completed(msg.group_id, msg.prompt_id, msg.completions)
+        elif isinstance(msg, P.GroupFailed):
+            round_.failed(msg.group_id, msg.error)
+        else:
+            round_.failed(msg.group_id, f"group {msg.group_id} aborted: {msg.reason}")
+        if round_.done:
+            self._finish_eval(round_)
+
+    def _finish_eval(self, round_: EvalRound) -> None:
+        cfg = self.config.task.eval
+        assert cfg is not None
+        record = round_.summary(cfg.n)
+        if self.trackers is not None:
+            self.trackers.log(record, max(1, round_.version))
+        passes = ", ".join(
+            f"{k.removeprefix('eval_')} {v:.3f}"
+            for k, v in record.items()
+            if k.startswith("eval_pass@") and v is not None
+        )
+        reward, length = record["eval_reward_mean"], record["eval_mean_length"]
+        # The event is the metrics.jsonl record: {"event": "eval", "message": ..., eval_*}.
+        self._event(
+            "eval",
+            f"{'final ' if round_.final else ''}eval at v{round_.version}: "
+            + (
+                f"reward {reward:.3f}, {passes + ', ' if passes else ''}length {length:.1f}"
+                if reward is not None
+                else "no results"
+            )
+            + (f", {len(round_.errors)} group(s) failed" if round_.errors else ""),
+            **{k: v for k, v in record.items() if k != "event"},
+        )
+
+    async def _final_eval(self, timeout_s: float) -> None:
+        """The eval prompts once more on the final weights, before the workers stop."""
+        deadline = time.time() + timeout_s
+        # The last weights must be on some instance first (they sync after the last step).
+        while time.time() < deadline and not any(
+            inst.state == RUNNING and inst.weight_version >= self.governor.version
+            for inst in self.instances.values()
+        ):
+            await asyncio.sleep(0.1)
+        if self.eval_round is not None and not self.eval_round.done:
+            self.eval_round = None  # superseded: the final round is the one that counts
+        if not self._start_eval(final=True):
+            return
+        while time.time() < deadline and self.eval_round is not None and not self.eval_round.done:
+            await asyncio.sleep(0.1)
+        if self.eval_round is not None and not self.eval_round.done:
+            self._event("eval", f"final eval gave up after {timeout_s:g} s (task.eval.timeout_s)")
 
     # ============================================================================ dispatch
     def _after_change(self) -> None:
@@ -1339,6 +1462,9 @@ class Controller:
         if self.trackers is not None:
             self.trackers.log(record, step + 1)
         self._save_state()
+        evaluation = self.config.task.eval
+        if evaluation and (step + 1) % evaluation.every == 0 and step + 1 < self.total_steps:
+            self._start_eval(final=False)  # the last step's eval is the final one
         if gov.version >= self.total_steps:
             self.request_stop(f"trainer.steps ({self.total_steps}) reached", code=0)
 

@@ -74,21 +74,23 @@ class TaskRewarder:
     and may raise ``RewardError``; a built-in task scores each completion.
     """
 
-    def __init__(self, task: Any, tokenizer: Any) -> None:
-        self._task = task
+    def __init__(self, task: Any, tokenizer: Any, *more: Any) -> None:
+        """``more``: further tasks with their own prompt ids (the eval set)."""
         self._tokenizer = tokenizer
-        self._prompts = {prompt.prompt_id: prompt for prompt in task.prompts}
+        self._prompts = {p.prompt_id: (p, t) for t in (task, *more) for p in t.prompts}
+        self._name = task.name
 
     async def __call__(self, prompt_id: int, group: Sequence[Sequence[int]]) -> GroupRewards:
-        prompt = self._prompts.get(prompt_id)
-        if prompt is None:
-            raise KeyError(f"prompt_id {prompt_id} is not in task {self._task.name!r}")
+        found = self._prompts.get(prompt_id)
+        if found is None:
+            raise KeyError(f"prompt_id {prompt_id} is not in task {self._name!r}")
+        prompt, task = found
         ids = [list(token_ids) for token_ids in group]
         texts = [self._tokenizer.decode(i, skip_special_tokens=True) for i in ids]
-        score_group = getattr(self._task, "score_group", None)
+        score_group = getattr(task, "score_group", None)
         if score_group is not None:
             return await score_group(prompt, texts, ids)
-        return GroupRewards([float(self._task.reward(prompt, t)) for t in texts], {})
+        return GroupRewards([float(task.reward(prompt, t)) for t in texts], {})
 
 
 class RolloutWorker:
@@ -434,8 +436,11 @@ async def serve(run_dir: Path, instance_id: int) -> int:
     endpoints = RunDir(run_dir).read_endpoints()
     instance = config.rollout.instance_list()[instance_id]
     model = ensure_model(config)
+    from runtime.tasks.dataset import DatasetTask
+
     task = build_task(config)
-    reward = TaskRewarder(task, load_tokenizer(model))
+    extra = [t for t in (DatasetTask.eval_of(config),) if t is not None]
+    reward = TaskRewarder(task, load_tokenizer(model), *extra)
 
     context = zmq.asyncio.Context()
     socket = context.socket(zmq.DEALER)

@@ -214,8 +214,13 @@ def preflight(config: Config) -> Config:
             spec.fn = f"{Path(source).resolve()}:{attr}"
     if task.chat_template and "{" not in task.chat_template:
         task.chat_template = str(Path(task.chat_template).expanduser().resolve())
+    if task.eval is not None and Path(task.eval.dataset).expanduser().exists():
+        task.eval.dataset = str(Path(task.eval.dataset).expanduser().resolve())
     resolved = config.model_copy(update={"task": task})
     build_task(resolved)  # raises ConfigError naming the field
+    from runtime.tasks.dataset import DatasetTask
+
+    DatasetTask.eval_of(resolved)
     return resolved
 
 

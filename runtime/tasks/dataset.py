@@ -21,6 +21,9 @@ from runtime.config import Config, ConfigError
 from runtime.tasks import TaskPrompt
 from runtime.tasks.rewards import GroupRewards, RewardSuite
 
+EVAL_PROMPT_BASE = 1 << 30
+"""Eval prompt ids start here (row + base), so they never collide with training prompt ids."""
+
 _BUILDERS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
 """File suffix -> the ``datasets`` builder that reads it."""
 
@@ -116,8 +119,9 @@ class DatasetTask:
 
     name = "dataset"
 
-    def __init__(self, config: Config) -> None:
+    def __init__(self, config: Config, id_base: int = 0) -> None:
         task = config.task
+        self.id_base = id_base
         rows, columns = load_rows(config)
         if task.prompt_field not in columns:
             raise ConfigError(
@@ -148,16 +152,28 @@ class DatasetTask:
             messages = _messages(value, row, task.prompt_field)
             text = value if messages is None else messages[-1]["content"]
             meta = {c: record[c] for c in self.columns}
-            self.prompts.append(TaskPrompt(row, text, meta, messages=messages))
+            self.prompts.append(TaskPrompt(id_base + row, text, meta, messages=messages))
         self.rewards = RewardSuite.from_config(task, self.columns, self.label)
 
     @classmethod
     def from_config(cls, config: Config) -> DatasetTask:
         return cls(config)
 
+    @classmethod
+    def eval_of(cls, config: Config) -> DatasetTask | None:
+        """``task.eval.dataset`` read like ``task.dataset``, ids from :data:`EVAL_PROMPT_BASE`."""
+        if config.task.eval is None:
+            return None
+        task = config.task.model_copy(update={"dataset": config.task.eval.dataset})
+        try:
+            return cls(config.model_copy(update={"task": task}), id_base=EVAL_PROMPT_BASE)
+        except ConfigError as exc:  # name the eval field, not the training one
+            raise ConfigError(str(exc).replace("task.dataset:", "task.eval.dataset:")) from None
+
     def label(self, prompt: TaskPrompt) -> str:
         """How messages name a prompt: the user's id, and its row."""
-        return f"id {self.ids[prompt.prompt_id]!r} (row {prompt.prompt_id})"
+        row = prompt.prompt_id - self.id_base
+        return f"id {self.ids[row]!r} (row {row}{' of the eval set' if self.id_base else ''})"
 
     async def score_group(
         self, prompt: TaskPrompt, completions: Sequence[str], completion_ids: Sequence[list[int]]
