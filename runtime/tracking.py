@@ -88,6 +88,7 @@ class Trackers:
     def __init__(self, run_dir: Path, config: Config) -> None:
         self._tb: Any = None
         self._wandb: Any = None
+        self._last_step = 0
         telemetry = config.telemetry
         if telemetry.tensorboard:
             try:
@@ -123,7 +124,10 @@ class Trackers:
                 self._tb = None
         if self._wandb is not None:
             try:
-                self._wandb.log(scalars, step=step)
+                # W&B drops data logged at a step below its last one (an eval round that ends
+                # after the next step record): such a record goes in at the latest step.
+                self._last_step = max(self._last_step, step)
+                self._wandb.log(scalars, step=self._last_step)
             except Exception:
                 log.exception("W&B logging is off: a log call failed")
                 self._wandb = None

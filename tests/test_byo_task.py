@@ -463,3 +463,15 @@ def test_eval_set_is_checked_like_the_training_set(data: Path, tmp_path: Path) -
     assert evaluation is not None
     assert [p.prompt_id for p in evaluation.prompts] == [1 << 30, (1 << 30) + 1]
     assert evaluation.label(evaluation.prompts[1]) == "id 1 (row 1 of the eval set)"
+
+
+def test_trls_own_reward_function_by_module_path(tmp_path: Path) -> None:
+    """TRL's shipped think_format_reward, imported by its module path, unmodified."""
+    pytest.importorskip("trl")
+    rows = [{"messages": [{"role": "user", "content": "Think first."}]}]
+    data = write_jsonl(tmp_path / "chat.jsonl", rows)
+    task = build_task(
+        dataset_config(data, "trl.rewards:think_format_reward", prompt_field="messages")
+    )
+    got = score(task, 0, ["<think>\nhmm\n</think>\nyes", "no thinking"])
+    assert got.totals == [1.0, 0.0]

@@ -67,6 +67,9 @@ def write_user_files(root: Path, on_error: str, rows: int = 12) -> Path:
                 "mode": mode,
             }
             handle.write(json.dumps(record) + "\n")
+        # Over task.max_prompt_tokens: reported and skipped, never cut.
+        long = {"uid": "long", "messages": [{"role": "user", "content": "x" * 200}]}
+        handle.write(json.dumps({**long, "base": -1000.0, "mode": "ok"}) + "\n")
     with (root / "eval.jsonl").open("w") as handle:
         for i in range(3):
             record = {
@@ -87,6 +90,7 @@ def write_user_files(root: Path, on_error: str, rows: int = 12) -> Path:
             "prompt_field": "messages",
             "id_field": "uid",
             "chat_template": str(root / "template.jinja"),
+            "max_prompt_tokens": 64,
             "rewards": [
                 {"fn": f"{root / 'reward.py'}:marker"},
                 {"fn": f"{root / 'reward.py'}:flaky", "timeout_s": 1.0},
@@ -161,6 +165,16 @@ def test_user_rewards_reach_the_step_records(skip_run: RunDir) -> None:
         assert set(record["reward_functions"]) == {"marker", "flaky"}
         assert record["reward_functions"]["flaky"] == 0.0
         assert record["reward_functions"]["marker"] == pytest.approx(record["reward_mean"])
+
+
+def test_prompts_over_max_prompt_tokens_are_reported_and_never_dispatched(
+    skip_run: RunDir,
+) -> None:
+    notes = [r for r in read_jsonl(skip_run.metrics) if r.get("event") == "task"]
+    assert len(notes) == 1 and "id 'long' (row 12)" in notes[0]["message"]
+    assert notes[0]["skipped_prompts"] == 1 and notes[0]["max_prompt_tokens"] == 64
+    dispatched = {r["prompt"] for r in read_jsonl(skip_run.ledger) if r["event"] == "dispatched"}
+    assert 12 not in dispatched
 
 
 def test_eval_every_n_steps_and_at_the_end(skip_run: RunDir) -> None:

@@ -79,6 +79,8 @@ class TaskRewarder:
         self._tokenizer = tokenizer
         self._prompts = {p.prompt_id: (p, t) for t in (task, *more) for p in t.prompts}
         self._name = task.name
+        for each in (task, *more):
+            getattr(each, "rewards", None)  # import the user's reward functions now, not mid-run
 
     async def __call__(self, prompt_id: int, group: Sequence[Sequence[int]]) -> GroupRewards:
         found = self._prompts.get(prompt_id)

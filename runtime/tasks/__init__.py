@@ -217,10 +217,12 @@ def preflight(config: Config) -> Config:
     if task.eval is not None and Path(task.eval.dataset).expanduser().exists():
         task.eval.dataset = str(Path(task.eval.dataset).expanduser().resolve())
     resolved = config.model_copy(update={"task": task})
-    build_task(resolved)  # raises ConfigError naming the field
+    build_task(resolved).rewards  # noqa: B018 (loads the data, imports the rewards: ConfigError)
     from runtime.tasks.dataset import DatasetTask
 
-    DatasetTask.eval_of(resolved)
+    evaluation = DatasetTask.eval_of(resolved)
+    if evaluation is not None:
+        evaluation.rewards  # noqa: B018 (checks the functions against the eval set's columns)
     return resolved
 
 

@@ -153,7 +153,16 @@ class DatasetTask:
             text = value if messages is None else messages[-1]["content"]
             meta = {c: record[c] for c in self.columns}
             self.prompts.append(TaskPrompt(id_base + row, text, meta, messages=messages))
-        self.rewards = RewardSuite.from_config(task, self.columns, self.label)
+        self._task_config = task
+        self._rewards: RewardSuite | None = None
+
+    @property
+    def rewards(self) -> RewardSuite:
+        """The reward functions, imported on first use: only the workers (and the pre-flight
+        check) pay for importing them, never the controller."""
+        if self._rewards is None:
+            self._rewards = RewardSuite.from_config(self._task_config, self.columns, self.label)
+        return self._rewards
 
     @classmethod
     def from_config(cls, config: Config) -> DatasetTask:
