@@ -350,6 +350,7 @@ def _run_cli(tmp_path: Path, task: dict[str, Any], capsys) -> tuple[int, str]:
         ("wrong_signature", r"task.reward: two_args\(completions, answer\) cannot be called"),
         ("empty_dataset", r"task.dataset: '.*empty.jsonl' is empty \(no rows\)"),
         ("verl_without_truth", r"task.rewards\[0\].fn: style verl needs a 'reward_model'"),
+        ("missing_chat_template", r"task.chat_template: '.*nope.jinja' is neither a template"),
     ],
 )
 def test_bad_input_exits_2_naming_the_field(case: str, expected: str, tmp_path: Path, capsys):
@@ -377,6 +378,8 @@ def test_bad_input_exits_2_naming_the_field(case: str, expected: str, tmp_path: 
     elif case == "verl_without_truth":
         del task["reward"]
         task["rewards"] = [{"fn": f"{verl}:compute_score", "style": "verl"}]
+    elif case == "missing_chat_template":
+        task["chat_template"] = str(tmp_path / "nope.jinja")
     code, err = _run_cli(tmp_path, task, capsys)
     assert code == 2, err
     assert __import__("re").search(expected, err), err

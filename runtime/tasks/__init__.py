@@ -195,9 +195,9 @@ def preflight(config: Config) -> Config:
     """
     import importlib.util
 
-    if config.telemetry.wandb is not None and importlib.util.find_spec("wandb") is None:
-        from runtime.config import ConfigError
+    from runtime.config import ConfigError
 
+    if config.telemetry.wandb is not None and importlib.util.find_spec("wandb") is None:
         raise ConfigError(
             "telemetry.wandb: the wandb package is not installed; pip install 'asp-tui[wandb]'"
         )
@@ -213,6 +213,10 @@ def preflight(config: Config) -> Config:
         if sep and (source.endswith(".py") or "/" in source) and Path(source).is_file():
             spec.fn = f"{Path(source).resolve()}:{attr}"
     if task.chat_template and "{" not in task.chat_template:
+        try:
+            resolve_chat_template(task.chat_template)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
         task.chat_template = str(Path(task.chat_template).expanduser().resolve())
     if task.eval is not None and Path(task.eval.dataset).expanduser().exists():
         task.eval.dataset = str(Path(task.eval.dataset).expanduser().resolve())
