@@ -18,7 +18,7 @@ from runtime.launcher import (
 )
 from runtime.rundir import JsonlTail, RunDir
 
-_EVENTS_SHOWN = {"command", "instance", "discard", "run", "lag_bound", "reward", "task"}
+_EVENTS_SHOWN = {"command", "instance", "discard", "run", "lag_bound", "reward", "task", "eval"}
 
 
 def format_step(record: dict[str, Any], total_steps: int) -> str:
