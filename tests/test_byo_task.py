@@ -478,3 +478,35 @@ def test_trls_own_reward_function_by_module_path(tmp_path: Path) -> None:
     )
     got = score(task, 0, ["<think>\nhmm\n</think>\nyes", "no thinking"])
     assert got.totals == [1.0, 0.0]
+
+
+async def test_eval_results_show_in_the_dashboards_event_log() -> None:
+    """The controller publishes each eval round as an ``eval`` event; the dashboard lists it."""
+    import random
+
+    from asp_tui.app import make_app
+    from asp_tui.link import FixedLink
+    from asp_tui.model import Backoff
+    from asp_tui.samples import BASE_TIME, sample_events, sample_history, sample_snapshot
+    from runtime.controller.evaluation import EvalRound, describe_eval
+    from runtime.protocol import Event
+
+    round_ = EvalRound(version=40, final=True, instance_id=0, pending={-1})
+    round_.completed(-1, 100, [_completion(1.0, 3, ok=1.0), _completion(0.0, 5, ok=0.0)])
+    record = round_.summary(n=2)
+    line = describe_eval(record)
+    assert line == (
+        "final eval at v40: reward 0.500, pass@1 0.500, pass@2 1.000, pass@1/ok 0.500, "
+        "pass@2/ok 1.000, length 4.0"
+    )
+    event = Event(time=BASE_TIME + 41, kind="eval", message=line, data={})
+    link = FixedLink(
+        [sample_snapshot(8)], history=sample_history(8), history_events=[*sample_events(), event]
+    )
+    app = make_app(link, readonly=True, backoff=Backoff(rng=random.Random(0)))
+    async with app.run_test(size=(80, 24)) as pilot:
+        for _ in range(100):
+            if any("final eval at v40" in text for text in app.event_log.lines):
+                break
+            await pilot.pause(0.05)
+        assert any("eval" in text and "pass@2 1.000" in text for text in app.event_log.lines)

@@ -103,3 +103,21 @@ class EvalRound:
         if self.errors:
             out["eval_errors"] = self.errors[:5]
         return out
+
+
+def describe_eval(record: dict[str, Any]) -> str:
+    """One line for the event log: ``final eval at v4: reward 0.52, pass@4 0.80, length 12.3``."""
+    passes = ", ".join(
+        f"{key.removeprefix('eval_')} {value:.3f}"
+        for key, value in record.items()
+        if key.startswith("eval_pass@") and value is not None
+    )
+    reward, length = record["eval_reward_mean"], record["eval_mean_length"]
+    text = f"{'final ' if record['final'] else ''}eval at v{record['step']}: "
+    if reward is None:
+        text += "no results"
+    else:
+        text += f"reward {reward:.3f}, {passes + ', ' if passes else ''}length {length:.1f}"
+    if record["eval_failed_groups"]:
+        text += f", {record['eval_failed_groups']} group(s) failed"
+    return text

@@ -31,7 +31,7 @@ from runtime import protocol as P
 from runtime.bubbles import BubbleAccountant, free_slot_cause
 from runtime.config import Config, read_run_config
 from runtime.controller import commands
-from runtime.controller.evaluation import EvalRound, eval_group_ids
+from runtime.controller.evaluation import EvalRound, describe_eval, eval_group_ids
 from runtime.controller.governor import ABORTED, SKIPPED, LagGovernor, LagRecorder
 from runtime.controller.instances import (
     DOWN,
@@ -889,22 +889,10 @@ class Controller:
         record = round_.summary(cfg.n)
         if self.trackers is not None:
             self.trackers.log(record, max(1, round_.version))
-        passes = ", ".join(
-            f"{k.removeprefix('eval_')} {v:.3f}"
-            for k, v in record.items()
-            if k.startswith("eval_pass@") and v is not None
-        )
-        reward, length = record["eval_reward_mean"], record["eval_mean_length"]
         # The event is the metrics.jsonl record: {"event": "eval", "message": ..., eval_*}.
         self._event(
             "eval",
-            f"{'final ' if round_.final else ''}eval at v{round_.version}: "
-            + (
-                f"reward {reward:.3f}, {passes + ', ' if passes else ''}length {length:.1f}"
-                if reward is not None
-                else "no results"
-            )
-            + (f", {len(round_.errors)} group(s) failed" if round_.errors else ""),
+            describe_eval(record),
             **{k: v for k, v in record.items() if k != "event"},
         )
 
