@@ -345,8 +345,12 @@ def test_fail_stops_the_run_with_the_traceback_in_the_log(tmp_path: Path) -> Non
     assert verify_ledger(rd.ledger).ok
 
 
-def test_examples_math_trains_and_exports(tmp_path: Path) -> None:
-    """What `make example` runs, from the repository root as the Makefile does."""
+@pytest.mark.parametrize("ranks", [1, 2])
+def test_examples_math_trains_and_exports(ranks: int, tmp_path: Path) -> None:
+    """What `make example` runs, from the repository root as the Makefile does; with 2 trainer
+    ranks too, whose final/ must hold the full weights rank 0 published last."""
+    from safetensors.torch import load_file
+
     run_dir = tmp_path / "math"
     result = subprocess.run(
         [
@@ -361,6 +365,8 @@ def test_examples_math_trains_and_exports(tmp_path: Path) -> None:
             str(run_dir),
             "--set",
             "trainer.steps=2",
+            "--set",
+            f"trainer.num_processes={ranks}",
         ],
         cwd=REPO,
         env=dict(os.environ, PYTHONPATH=str(REPO)),
@@ -370,9 +376,13 @@ def test_examples_math_trains_and_exports(tmp_path: Path) -> None:
         check=False,
     )
     assert result.returncode == 0, result.stdout + result.stderr
-    steps = [r for r in read_jsonl(RunDir(run_dir).metrics) if r.get("event") == "step"]
+    rd = RunDir(run_dir)
+    steps = [r for r in read_jsonl(rd.metrics) if r.get("event") == "step"]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(set(r["reward_functions"]) == {"correctness", "brevity"} for r in steps)
-    final_eval = [r for r in read_jsonl(RunDir(run_dir).metrics) if r.get("event") == "eval"]
+    final_eval = [r for r in read_jsonl(rd.metrics) if r.get("event") == "eval"]
     assert final_eval[-1]["final"] and "eval_pass@4/correctness" in final_eval[-1]
-    assert (run_dir / "final" / "model.safetensors").is_file()
+    last = load_file(str(rd.weights_file(2)))
+    exported = load_file(str(run_dir / "final" / "model.safetensors"))
+    assert exported.keys() == last.keys()
+    assert all(torch.equal(exported[k], last[k]) for k in last)
