@@ -1,4 +1,4 @@
-# Two commands on a fresh machine: `make run` and `make test`.
+# Two commands on a fresh machine: `make run` and `make test` (`make example`: your own task).
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
@@ -7,7 +7,7 @@ BENCH_STAMP := $(VENV)/.setup-bench-stamp
 CONFIG ?= configs/tiny.yaml
 PYTEST_ARGS ?=
 
-.PHONY: setup setup-bench run test bench lint format clean
+.PHONY: setup setup-bench run test example bench lint format clean
 
 setup: $(STAMP)
 
@@ -35,6 +35,10 @@ run: setup
 
 test: setup
 	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+# Bring your own task: examples/math's dataset and reward.py on the tiny model, a few steps.
+example: setup
+	$(BIN)/asp-tui run --headless --config examples/math/run.yaml
 
 bench: setup-bench
 	$(BIN)/python bench/scheduling.py

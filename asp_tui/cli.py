@@ -5,6 +5,7 @@
     asp-tui attach RUN_DIR [--readonly] [--once]
     asp-tui stop RUN_DIR
     asp-tui keys new|show|add|list ...     key pairs and who may connect to a run
+    asp-tui export RUN_DIR [--version N] OUT_DIR   a kept weight version as a HF model directory
     asp-tui plan ... / asp-tui simulate ...   offline scheduling (no processes started)
 
 Bad input (a config field, a file, a flag) is reported with what was wrong and exits 2.
@@ -99,6 +100,15 @@ def build_parser() -> argparse.ArgumentParser:
     from asp_tui.keys import add_keys_parser
 
     add_keys_parser(commands)
+    export = commands.add_parser(
+        "export", help="write a kept weight version as a Hugging Face model directory"
+    )
+    export.add_argument("run_dir", metavar="RUN_DIR", help="the run's directory")
+    export.add_argument("out_dir", metavar="OUT_DIR", help="where the model directory goes")
+    export.add_argument(
+        "--version", type=int, help="weight version to export (default: the newest kept)"
+    )
+    export.set_defaults(func=_cmd_export)
 
     from runtime.scheduler.cli import add_plan_parser, add_simulate_parser
 
@@ -148,10 +158,18 @@ def _cmd_stop(args: argparse.Namespace) -> int:
     return stop_run(args.target, timeout=args.timeout, key_file=args.key)
 
 
+def _cmd_export(args: argparse.Namespace) -> int:
+    from runtime.export import export_version
+
+    out = export_version(args.run_dir, args.out_dir, args.version)
+    print(f"exported to {out}")
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = build_parser()
-    known = {"start", "run", "attach", "stop", "keys", "plan", "simulate"}
+    known = {"start", "run", "attach", "stop", "keys", "export", "plan", "simulate"}
     if argv and argv[0] not in known and argv[0] not in ("-h", "--help"):
         argv = ["start", *argv]
     if not argv:

@@ -19,7 +19,17 @@ from runtime.launcher import (
 from runtime.resources import plan_resources
 from runtime.rundir import JsonlTail, RunDir
 
-_EVENTS_SHOWN = {"command", "instance", "discard", "run", "lag_bound", "auth"}
+_EVENTS_SHOWN = {
+    "command",
+    "instance",
+    "discard",
+    "run",
+    "lag_bound",
+    "auth",
+    "reward",
+    "task",
+    "eval",
+}
 
 
 def format_step(record: dict[str, Any], total_steps: int) -> str:

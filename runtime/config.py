@@ -52,16 +52,102 @@ class ModelConfig(_Section):
     tiny: TinyModelConfig = TinyModelConfig()
 
 
+class RewardConfig(_Section):
+    """One reward function of ``task.rewards`` (``task.reward`` is the one-function shorthand)."""
+
+    fn: str = Field(min_length=1)
+    """``package.module:function`` or ``path/to/file.py:function``."""
+    weight: float = 1.0
+    style: Literal["trl", "verl"] = "trl"
+    """``trl``: ``fn(prompts, completions, completion_ids, **columns) -> list[float | None]``;
+    ``verl``: ``compute_score(data_source, solution_str, ground_truth, extra_info)`` per sample."""
+    name: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]+$")
+    """The name it is logged under (default: the function's name)."""
+    timeout_s: PositiveFloat | None = None
+    """Per-call limit; default ``task.reward_timeout_s``."""
+
+
+class EvalConfig(_Section):
+    """Eval prompts, run on one instance every ``every`` steps and once at the end."""
+
+    dataset: str = Field(min_length=1)
+    """Same formats and fields (prompt_field, id_field, rewards) as ``task.dataset``."""
+    every: PositiveInt = 10
+    n: PositiveInt = 4
+    """Samples per prompt; pass@n is reported when every reward is 0 or 1."""
+    temperature: Annotated[float, Field(ge=0.0)] = 1.0
+    timeout_s: PositiveFloat = 600.0
+    """How long the final eval may take before the run ends without it."""
+
+
 class TaskConfig(_Section):
-    name: Literal["target_length", "gsm8k", "sim"] = "target_length"
+    name: Literal["target_length", "gsm8k", "dataset", "sim"] = "target_length"
     dataset: str | None = None
-    """A JSONL file for dataset-backed tasks; built-in tasks generate their own prompts."""
+    """``gsm8k``: a JSONL file. ``dataset``: a JSONL/JSON, Parquet or CSV file, a directory
+    written by ``datasets.save_to_disk``, or a hub id."""
+    split: str = "train"
+    """Split of a hub dataset or a saved ``DatasetDict`` (a single file is one split)."""
+    prompt_field: str = "prompt"
+    """Column holding the prompt: a string, or a chat list of ``{role, content}`` messages."""
+    id_field: str | None = None
+    """Column with a unique string or integer id per row (default: the row number)."""
+    max_prompt_tokens: PositiveInt | None = None
+    """Longer prompts are reported and skipped, never cut."""
+    chat_template: str | None = None
+    """Overrides the tokenizer's chat template: a Jinja string or a file holding one."""
+    reward: str | RewardConfig | None = None
+    rewards: list[RewardConfig] = []
+    reward_timeout_s: PositiveFloat = 60.0
+    eval: EvalConfig | None = None
+    on_reward_error: Literal["fail", "skip_group"] = "fail"
+    """A reward that raises, returns the wrong count, NaN or times out: stop the run (exit 1,
+    traceback in the worker's log), or drop the group, count it and go on."""
     num_prompts: PositiveInt = 256
     lengths_trace: str | None = None
     """Length trace the synthetic task draws its targets from (a file in shared/data/lengths)."""
     max_target_length: PositiveInt = 96
     sft_steps: NonNegativeInt = 200
     """Supervised warm-start steps before RL (0 to skip); cached per model and task."""
+
+    def reward_functions(self) -> list[RewardConfig]:
+        """``task.rewards``, or ``task.reward`` as a one-element list."""
+        if isinstance(self.reward, str):
+            return [RewardConfig(fn=self.reward)]
+        if self.reward is not None:
+            return [self.reward]
+        return list(self.rewards)
+
+    def check(self) -> None:
+        """Cross-field rules of the section (raised from ``Config``, so messages name fields)."""
+        if self.reward is not None and self.rewards:
+            raise ValueError("task.reward: give task.reward or task.rewards, not both")
+        if self.name == "dataset":
+            if not self.dataset:
+                raise ValueError(
+                    "task.dataset: task.name 'dataset' needs a file, a save_to_disk directory "
+                    "or a hub id"
+                )
+            if not self.reward_functions():
+                raise ValueError(
+                    "task.reward: task.name 'dataset' needs a reward function "
+                    "('package.module:function' or 'path/to/file.py:function')"
+                )
+        elif self.eval is not None:
+            raise ValueError(
+                f"task.eval: evaluation runs the reward functions of task.name: dataset; "
+                f"task {self.name!r} has none"
+            )
+        elif self.reward is not None or self.rewards:
+            raise ValueError(
+                f"task.reward: task {self.name!r} has its own reward; reward functions are "
+                "for task.name: dataset"
+            )
+        names = [fn.name or fn.fn.rpartition(":")[2] for fn in self.reward_functions()]
+        if len(set(names)) != len(names):
+            raise ValueError(
+                f"task.rewards: two reward functions log under one name ({names}); "
+                "set a distinct name on each"
+            )
 
 
 class SamplingConfig(_Section):
@@ -168,10 +254,24 @@ class AsyncConfig(_Section):
     max_lag_bound: NonNegativeInt = 16
 
 
+class WandbConfig(_Section):
+    """Weights & Biases logging of every step record (``WANDB_MODE=offline`` needs no network)."""
+
+    project: str = Field(min_length=1)
+    name: str | None = None
+    """The W&B run's name (default: ``run.name``)."""
+    entity: str | None = None
+    run_id: str | None = None
+    """Resume this W&B run instead of starting a new one."""
+
+
 class TelemetryConfig(_Section):
     hz: Annotated[float, Field(gt=0.0, le=100.0)] = 4.0
     ring_size: PositiveInt = 600
     window_s: PositiveFloat = 10.0
+    tensorboard: bool = True
+    """Step records also go to TensorBoard event files in ``<run_dir>/tensorboard``."""
+    wandb: WandbConfig | None = None
 
 
 class ResourcesConfig(_Section):
@@ -228,6 +328,7 @@ class Config(_Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> Config:
+        self.task.check()
         if self.async_.lag_bound > self.async_.max_lag_bound:
             raise ValueError(
                 f"async.lag_bound: {self.async_.lag_bound} exceeds async.max_lag_bound "
@@ -353,7 +454,7 @@ def format_validation_error(exc: ValidationError, source: str) -> str:
     return "\n".join(lines)
 
 
-_UNION_BRANCHES = {"int", "constrained-int", "list[InstanceConfig]"}
+_UNION_BRANCHES = {"int", "constrained-int", "list[InstanceConfig]", "str", "RewardConfig"}
 
 
 def _dotted(loc: tuple[int | str, ...]) -> str:

@@ -41,7 +41,12 @@ def live_endpoints(run_dir: RunDir) -> Endpoints | None:
 
 
 def prepare_run(config: Config) -> RunDir:
-    """Create the run directory and write the resolved config every process reads."""
+    """Check the task, then create the run directory and write the resolved config every
+    process reads. A bad task (dataset, reward function) raises ConfigError before anything
+    is created or started."""
+    from runtime.tasks import preflight
+
+    config = preflight(config)
     run_dir = RunDir(config.run_dir).create()
     if live_endpoints(run_dir) is not None:
         raise RunAlreadyLive(f"a run is already live in {run_dir.root}")

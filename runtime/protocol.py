@@ -82,6 +82,8 @@ class Completion(msgspec.Struct, omit_defaults=True, kw_only=True):
     finish_reason: str
     reward: float
     finished_at: float
+    rewards: dict[str, float] = {}
+    """Each reward function's own score (``task.rewards``; a function's None is left out)."""
 
 
 class GroupDone(_Message):
@@ -97,6 +99,16 @@ class GroupAborted(_Message):
     group_id: int
     instance_id: int
     reason: str
+
+
+class GroupFailed(_Message):
+    """A group's rewards could not be computed; ``task.on_reward_error`` decides what follows."""
+
+    group_id: int
+    prompt_id: int
+    instance_id: int
+    error: str
+    """Names the reward function, the prompt id and the problem."""
 
 
 class PauseWorker(_Message):
@@ -311,6 +323,7 @@ Message = (
     | Generate
     | GroupDone
     | GroupAborted
+    | GroupFailed
     | PauseWorker
     | ResumeWorker
     | UpdateWeights

@@ -52,6 +52,8 @@ CONSUMED = "consumed"
 DISCARDED = "discarded"
 ABORTED = "aborted"
 REQUEUED = "requeued"
+SKIPPED = "skipped"
+"""A group whose reward failed, dropped under ``task.on_reward_error: skip_group``."""
 _OPEN = (IN_FLIGHT, COMPLETED)
 
 
@@ -140,6 +142,7 @@ class Counters:
     discarded: int = 0
     aborted: int = 0
     requeued: int = 0
+    skipped: int = 0
 
 
 class LagGovernor:
@@ -209,9 +212,9 @@ class LagGovernor:
 
     @property
     def admitted_live(self) -> int:
-        """Admitted minus discarded, aborted and requeued: what AReaL's rule counts."""
+        """Admitted minus discarded, aborted, requeued and skipped: what AReaL's rule counts."""
         c = self.counters
-        return c.admitted - c.discarded - c.aborted - c.requeued
+        return c.admitted - c.discarded - c.aborted - c.requeued - c.skipped
 
     @property
     def queue_capacity(self) -> int:
@@ -283,9 +286,10 @@ class LagGovernor:
 
     def cancel(self, group_id: int, status: str = REQUEUED) -> bool:
         """An in-flight group will not come back (instance lost: ``requeued``; abort
-        acknowledged: ``aborted``). Returns False when it was not in flight."""
-        if status not in (REQUEUED, ABORTED):
-            raise ValueError(f"status: {status!r} is not requeued or aborted")
+        acknowledged: ``aborted``; its reward failed: ``skipped``). Returns False when it was not
+        in flight."""
+        if status not in (REQUEUED, ABORTED, SKIPPED):
+            raise ValueError(f"status: {status!r} is not requeued, aborted or skipped")
         g = self.groups.get(group_id)
         if g is None or g.status != IN_FLIGHT:
             return False
@@ -301,6 +305,8 @@ class LagGovernor:
             self.counters.aborted += 1
         elif status == REQUEUED:
             self.counters.requeued += 1
+        elif status == SKIPPED:
+            self.counters.skipped += 1
         elif status == CONSUMED:
             self.counters.consumed += 1
         if status not in _OPEN and status != CONSUMED:

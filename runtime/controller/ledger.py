@@ -2,7 +2,8 @@
 
 Every dispatched group id appears once as ``dispatched`` and then moves through
 ``completed`` → ``consumed`` | ``discarded``, or ends ``requeued`` (its instance was lost) or
-``aborted`` (stopped for the lag bound) while in flight. A result that arrives for a group that
+``aborted`` (stopped for the lag bound) while in flight, or ends ``skipped`` (a reward function
+failed on it; its prompt is not handed out again this epoch). A result that arrives for a group that
 has already ended is logged as ``ignored``. ``controller_start`` marks a (re)start: groups left
 open by a previous controller are ``abandoned`` (their prompts were never consumed, so the
 resumed epoch schedules them again).
@@ -27,10 +28,11 @@ _TRANSITIONS: dict[str, dict[str, str]] = {
         "completed": "completed",
         "requeued": "requeued",
         "aborted": "aborted",
+        "skipped": "skipped",
     },
     "completed": {"consumed": "consumed", "discarded": "discarded"},
 }
-TERMINAL = ("consumed", "discarded", "requeued", "aborted", "abandoned")
+TERMINAL = ("consumed", "discarded", "requeued", "aborted", "skipped", "abandoned")
 
 
 class Ledger:
@@ -78,6 +80,9 @@ class Ledger:
 
     def aborted(self, group: int, *, reason: str) -> None:
         self._write("aborted", group=group, reason=reason, requeue=True)
+
+    def skipped(self, group: int, *, reason: str) -> None:
+        self._write("skipped", group=group, reason=reason, requeue=False)
 
     def ignored(self, group: int, *, reason: str) -> None:
         self._write("ignored", group=group, reason=reason)
@@ -181,7 +186,7 @@ def verify_records(records: Iterable[dict[str, Any]]) -> LedgerReport:
                 )
         if nxt in TERMINAL:
             open_prompts[key].discard(gid)
-            if nxt != "consumed":
+            if nxt not in ("consumed", "skipped"):
                 given_back.add(key)
     report.in_flight = sorted(g for g, st in state.items() if st == "in_flight")
     report.queued = sorted(g for g, st in state.items() if st == "completed")

@@ -32,7 +32,8 @@ from runtime.auth import Refusal, RunKeys, ZapHandler, may_command
 from runtime.bubbles import BubbleAccountant, free_slot_cause
 from runtime.config import Config, read_run_config
 from runtime.controller import commands
-from runtime.controller.governor import ABORTED, LagGovernor, LagRecorder
+from runtime.controller.evaluation import EvalRound, describe_eval, eval_group_ids
+from runtime.controller.governor import ABORTED, SKIPPED, LagGovernor, LagRecorder
 from runtime.controller.instances import (
     DOWN,
     PAUSED,
@@ -52,7 +53,9 @@ from runtime.rundir import Endpoints, JsonlWriter, RunDir, read_jsonl
 
 log = logging.getLogger(__name__)
 
-ROLLOUT_TYPES = P.WorkerHello | P.Heartbeat | P.GroupDone | P.GroupAborted | P.WorkerAck
+ROLLOUT_TYPES = (
+    P.WorkerHello | P.Heartbeat | P.GroupDone | P.GroupAborted | P.GroupFailed | P.WorkerAck
+)
 TRAINER_TYPES = P.TrainerHello | P.BatchRequest | P.StepDone
 CONTROL_TYPES = P.Command
 
@@ -116,8 +119,10 @@ class Controller:
         )
         self.governor.counters.discarded = st.discarded_total if self.resumed else 0
         self.governor.counters.requeued = st.requeued_total if self.resumed else 0
+        self.governor.counters.skipped = st.skipped_total if self.resumed else 0
         self.governor.counters.admitted += self.governor.counters.discarded
         self.governor.counters.admitted += self.governor.counters.requeued
+        self.governor.counters.admitted += self.governor.counters.skipped
         self.next_group_id = max(st.next_group_id, _max_ledger_group(self.rd.ledger) + 1)
 
         now = time.time()
@@ -158,6 +163,12 @@ class Controller:
         self._batch_tokens = 0
         self._batch_samples = 0
         self._batch_rewards: list[float] = []
+        self._batch_fn_rewards: dict[str, float] = {}
+        self._pending_events: list[tuple[str, str, dict[str, Any]]] = []
+        self.eval_prompts: dict[int, Any] = {}
+        self.eval_tokens: dict[int, np.ndarray] = {}
+        self.eval_round: EvalRound | None = None
+        self._eval_ids = eval_group_ids()
         self._batch_bound = self.governor.lag_bound
         self._batch_pending: int | None = None
         self._seen_pending: int | None = None
@@ -189,6 +200,7 @@ class Controller:
         self._auth_task: asyncio.Task | None = None
         self.telemetry: Telemetry | None = None
         self.metrics = JsonlWriter(self.rd.metrics)
+        self.trackers: Any = None  # TensorBoard / W&B, started with the sockets
         self.ledger = Ledger(self.rd.ledger)
         self.supervisor = Supervisor(self._on_child_exit, env=_child_env())
         self.resources: ResourcePlan = plan_resources(cfg)
@@ -236,6 +248,9 @@ class Controller:
             self._save_state()
             self.metrics.close()
             self.ledger.close()
+            if self.trackers is not None:
+                with contextlib.suppress(Exception):  # tracking never changes the exit code
+                    self.trackers.close()
             if self.sockets is not None:
                 self.sockets.close()
             if self.auth is not None:
@@ -271,6 +286,9 @@ class Controller:
                 started_at=time.time(),
             )
         )
+        from runtime.tracking import Trackers
+
+        self.trackers = Trackers(self.rd.root, cfg)
         self.ledger.controller_start(
             version=self.governor.version, epoch=self.epoch, resumed=self.resumed
         )
@@ -286,13 +304,21 @@ class Controller:
             endpoints=addresses,
         )
         await asyncio.get_running_loop().run_in_executor(None, self._load_task)
+        for kind, message, data in self._pending_events:  # found in the loader's thread
+            self._event(kind, message, **data)
         self._new_epoch(self.epoch, skip=self.consumed_prompts)
         self.state = "running"
 
     def _load_task(self) -> None:
         """Prompts, their token ids and weight version 0 (blocking; runs in a thread)."""
         from runtime.scheduler.lengths import LengthHistory, read_lengths
-        from runtime.tasks import build_task, encode_prompt, ensure_model, load_tokenizer
+        from runtime.tasks import (
+            build_task,
+            encode_prompt,
+            ensure_model,
+            load_tokenizer,
+            resolve_chat_template,
+        )
 
         cfg = self.config
         task = build_task(cfg)
@@ -303,13 +329,25 @@ class Controller:
         tokenizer = None
         if not self.sim:
             tokenizer = load_tokenizer(self.model_path)
+        template = resolve_chat_template(cfg.task.chat_template)
         for pid, prompt in self.prompts.items():
             if tokenizer is not None:
-                ids = encode_prompt(tokenizer, prompt)
+                ids = encode_prompt(tokenizer, prompt, template)
             else:
                 # No model behind simulated instances: the task makes ids of the prompt's length.
                 ids = task.prompt_token_ids(prompt)
             self.prompt_tokens[pid] = np.asarray(ids, dtype=np.int32)
+        self._skip_long_prompts(task, self.prompts, self.prompt_tokens, "training")
+        from runtime.tasks.dataset import DatasetTask
+
+        eval_task = DatasetTask.eval_of(cfg)
+        if eval_task is not None and tokenizer is not None:
+            self.eval_prompts = {p.prompt_id: p for p in eval_task.prompts}
+            self.eval_tokens = {
+                pid: np.asarray(encode_prompt(tokenizer, p, template), dtype=np.int32)
+                for pid, p in self.eval_prompts.items()
+            }
+            self._skip_long_prompts(eval_task, self.eval_prompts, self.eval_tokens, "eval")
         initial = None
         if cfg.scheduler.lengths:
             initial = read_lengths(cfg.scheduler.lengths).as_map()
@@ -318,6 +356,35 @@ class Controller:
             prompt_tokens={pid: int(t.size) for pid, t in self.prompt_tokens.items()},
         )
         self.weights_path[0] = self.model_path
+
+    def _skip_long_prompts(
+        self, task: Any, prompts: dict[int, Any], tokens: dict[int, np.ndarray], what: str
+    ) -> None:
+        """Prompts over ``task.max_prompt_tokens`` are reported and left out, never cut."""
+        limit = self.config.task.max_prompt_tokens
+        if limit is None:
+            return
+        long = sorted(pid for pid, ids in tokens.items() if ids.size > limit)
+        if not long:
+            return
+        label = getattr(task, "label", None)
+        names = [label(prompts[pid]) if label else str(pid) for pid in long]
+        shown = ", ".join(names[:20]) + (f" and {len(names) - 20} more" if len(names) > 20 else "")
+        log.warning("%d %s prompt(s) over %d tokens skipped: %s", len(long), what, limit, shown)
+        for pid in long:
+            del prompts[pid], tokens[pid]
+        if not prompts:
+            raise ValueError(
+                f"task.max_prompt_tokens: every {what} prompt is longer than {limit} tokens"
+            )
+        self._pending_events.append(
+            (
+                "task",
+                f"{len(long)} {what} prompt(s) longer than task.max_prompt_tokens ({limit}) "
+                f"skipped: {shown}",
+                {"skipped_prompts": len(long), "max_prompt_tokens": limit, "set": what},
+            )
+        )
 
     def _new_epoch(self, epoch: int, skip: set[int] | None = None) -> None:
         """Plan ``epoch`` and make it current, blocking (start-up, and when no loop runs)."""
@@ -483,6 +550,8 @@ class Controller:
         if self.spawn and self.supervisor.alive(TRAINER):
             # The trainer finishes its step, asks again, gets Shutdown and checkpoints.
             await self.supervisor.wait_exit(TRAINER, cfg.trainer.step_timeout_s + 60.0)
+        if cfg.task.eval is not None and self.exit_code == 0 and self.eval_prompts:
+            await self._final_eval(cfg.task.eval.timeout_s)
         elif not self.spawn and self.trainer_connected and not self.trainer_shutdown_sent:
             deadline = time.time() + min(30.0, cfg.trainer.step_timeout_s)
             while not self.trainer_shutdown_sent and time.time() < deadline:
@@ -494,6 +563,8 @@ class Controller:
             await asyncio.gather(*(self.supervisor.wait_exit(n, 15.0) for n in names))
         else:
             await asyncio.sleep(0.2)  # let the Shutdown frames leave
+        if self.exit_code == 0 and not self.sim and self.spawn:
+            await self._export_final()
         self.state = "finished" if self.exit_code == 0 else "failed"
         self._publish_snapshot()
         self._event(
@@ -503,6 +574,27 @@ class Controller:
             version=self.governor.version,
         )
         self._save_state()
+
+    async def _export_final(self) -> None:
+        """``final/``: the last weights as a Hugging Face model directory (off the loop)."""
+        from runtime.export import FINAL_DIR, export_version
+
+        target = self.rd.root / FINAL_DIR
+        try:
+            await asyncio.get_running_loop().run_in_executor(
+                None, export_version, self.rd.root, target, None
+            )
+        except Exception as exc:
+            log.exception("export of the final weights failed")
+            self._event("run", f"export to {target} failed: {exc}", error=str(exc))
+            self.exit_code = self.exit_code or 1
+            return
+        self._event(
+            "run",
+            f"final weights (v{self.governor.version}) exported to {target}",
+            path=str(target),
+            version=self.governor.version,
+        )
 
     # ============================================================================ socket loops
     async def _read_loop(self, name: str) -> None:
@@ -581,6 +673,9 @@ class Controller:
             return
         now = time.time()
         inst.last_heartbeat = now
+        if isinstance(msg, P.GroupDone | P.GroupAborted | P.GroupFailed) and msg.group_id < 0:
+            self._on_eval_result(msg)
+            return
         if isinstance(msg, P.WorkerHello):
             self._on_hello(inst, msg, now)
         elif isinstance(msg, P.Heartbeat):
@@ -593,6 +688,8 @@ class Controller:
             self._on_group_done(inst, msg, now)
         elif isinstance(msg, P.GroupAborted):
             self._on_group_aborted(inst, msg)
+        elif isinstance(msg, P.GroupFailed):
+            self._on_group_failed(inst, msg)
         elif isinstance(msg, P.WorkerAck):
             self._on_worker_ack(inst, msg, now)
         self._after_change()
@@ -742,6 +839,128 @@ class Controller:
         self.governor.cancel(msg.group_id, ABORTED)
         self.ledger.aborted(msg.group_id, reason=f"worker: {msg.reason}")
         self._give_back(flight.prompt_id, flight.epoch)
+
+    def _on_group_failed(self, inst: Instance, msg: P.GroupFailed) -> None:
+        """A reward function failed on a group: stop the run, or drop the group and count it
+        (``task.on_reward_error``). The group is never scored in its place, nor handed out
+        again this epoch: the same prompt would fail the same way."""
+        flight = inst.in_flight.pop(msg.group_id, None)
+        if flight is None or flight.aborting:
+            self.ledger.ignored(msg.group_id, reason="result of a group no longer in flight")
+            return
+        self.governor.cancel(msg.group_id, SKIPPED)
+        self.ledger.skipped(msg.group_id, reason=msg.error)
+        if flight.epoch == self.epoch:
+            self.consumed_prompts.add(flight.prompt_id)
+        if self.config.task.on_reward_error == "fail":
+            log.error("reward failed on instance %d: %s", inst.instance_id, msg.error)
+            self._event(
+                "reward",
+                f"reward failed, stopping (task.on_reward_error: fail): {msg.error}; "
+                f"traceback in logs/worker-{inst.instance_id}.log",
+                group=msg.group_id,
+                prompt=msg.prompt_id,
+                instance=inst.instance_id,
+                error=msg.error,
+            )
+            self.request_stop(f"reward failed: {msg.error}", code=1)
+            return
+        self._event(
+            "reward",
+            f"group {msg.group_id} skipped (task.on_reward_error: skip_group): {msg.error}",
+            group=msg.group_id,
+            prompt=msg.prompt_id,
+            instance=inst.instance_id,
+            error=msg.error,
+            skipped_total=self.governor.counters.skipped,
+        )
+
+    # ============================================================================ evaluation
+    def _start_eval(self, final: bool) -> bool:
+        """Send every eval prompt to one running instance; False if no round could start."""
+        cfg = self.config.task.eval
+        if cfg is None or not self.eval_prompts:
+            return False
+        version = self.governor.version
+        if self.eval_round is not None and not self.eval_round.done:
+            self._event("eval", f"eval at v{version} not started: the previous round is running")
+            return False
+        # A syncing instance holds the round until its new weights are in (worker.py), so the
+        # round right after a step runs on that step's weights.
+        ready = [
+            inst
+            for inst in self.instances.values()
+            if inst.state in (RUNNING, SYNCING) and not inst.operator_paused
+        ]
+        if not ready:
+            self._event("eval", f"eval at v{version} not started: no running instance")
+            return False
+        inst = min(ready, key=lambda x: (len(x.in_flight), x.instance_id))
+        pending = {}
+        for pid in self.eval_prompts:
+            gid = next(self._eval_ids)
+            pending[gid] = pid
+        self.eval_round = EvalRound(version, final, inst.instance_id, set(pending))
+        max_tokens = self.config.rollout.sampling.max_tokens
+        for gid, pid in pending.items():
+            self._send_worker(
+                inst,
+                P.Generate(
+                    group_id=gid,
+                    prompt_id=pid,
+                    prompt_token_ids=self.eval_tokens[pid],
+                    n=cfg.n,
+                    max_tokens=max_tokens,
+                    temperature=cfg.temperature,
+                    seed=None if self.config.rollout.sampling.seed is None else -gid,
+                ),
+            )
+        log.info("eval at v%d: %d prompts on instance %d", version, len(pending), inst.instance_id)
+        return True
+
+    def _on_eval_result(self, msg: Any) -> None:
+        round_ = self.eval_round
+        if round_ is None or msg.group_id not in round_.pending:
+            return  # a round given up on (its instance went down, or the run is ending)
+        if isinstance(msg, P.GroupDone):
+            round_.completed(msg.group_id, msg.prompt_id, msg.completions)
+        elif isinstance(msg, P.GroupFailed):
+            round_.failed(msg.group_id, msg.error)
+        else:
+            round_.failed(msg.group_id, f"group {msg.group_id} aborted: {msg.reason}")
+        if round_.done:
+            self._finish_eval(round_)
+
+    def _finish_eval(self, round_: EvalRound) -> None:
+        cfg = self.config.task.eval
+        assert cfg is not None
+        record = round_.summary(cfg.n)
+        if self.trackers is not None:
+            self.trackers.log(record, max(1, round_.version))
+        # The event is the metrics.jsonl record: {"event": "eval", "message": ..., eval_*}.
+        self._event(
+            "eval",
+            describe_eval(record),
+            **{k: v for k, v in record.items() if k != "event"},
+        )
+
+    async def _final_eval(self, timeout_s: float) -> None:
+        """The eval prompts once more on the final weights, before the workers stop."""
+        deadline = time.time() + timeout_s
+        # The last weights must be on some instance first (they sync after the last step).
+        while time.time() < deadline and not any(
+            inst.state == RUNNING and inst.weight_version >= self.governor.version
+            for inst in self.instances.values()
+        ):
+            await asyncio.sleep(0.1)
+        if self.eval_round is not None and not self.eval_round.done:
+            self.eval_round = None  # superseded: the final round is the one that counts
+        if not self._start_eval(final=True):
+            return
+        while time.time() < deadline and self.eval_round is not None and not self.eval_round.done:
+            await asyncio.sleep(0.1)
+        if self.eval_round is not None and not self.eval_round.done:
+            self._event("eval", f"final eval gave up after {timeout_s:g} s (task.eval.timeout_s)")
 
     # ============================================================================ dispatch
     def _after_change(self) -> None:
@@ -1154,6 +1373,7 @@ class Controller:
         self._batch_tokens = sum(len(c.token_ids) for g in groups for c in g.completions)
         self._batch_samples = sum(len(g.completions) for g in groups)
         self._batch_rewards = [c.reward for g in groups for c in g.completions]
+        self._batch_fn_rewards = _per_function_means(groups)
         self._send(
             self.sockets.trainer,
             self.trainer_identity,
@@ -1265,7 +1485,10 @@ class Controller:
             "tokens_per_s": tokens / iteration,
             "epoch": self.epoch,
             "discarded_total": gov.counters.discarded + gov.counters.aborted,
+            "skipped_groups_total": gov.counters.skipped,
         }
+        if self._batch_fn_rewards:
+            record["reward_functions"] = dict(self._batch_fn_rewards)
         if len(self._observed_pairs) >= 2:
             from runtime.scheduler.lengths import predictor_quality
 
@@ -1278,7 +1501,12 @@ class Controller:
         for cat, value in predicted.items():
             record[f"predicted_bubble_{cat}"] = value
         self.metrics.write(record)
+        if self.trackers is not None:
+            self.trackers.log(record, step + 1)
         self._save_state()
+        evaluation = self.config.task.eval
+        if evaluation and (step + 1) % evaluation.every == 0 and step + 1 < self.total_steps:
+            self._start_eval(final=False)  # the last step's eval is the final one
         if gov.version >= self.total_steps:
             self.request_stop(f"trainer.steps ({self.total_steps}) reached", code=0)
 
@@ -1593,6 +1821,7 @@ class Controller:
                     next_group_id=self.next_group_id,
                     discarded_total=c.discarded + c.aborted,
                     requeued_total=c.requeued,
+                    skipped_total=c.skipped,
                     finished=gov.version >= self.total_steps,
                     time=time.time(),
                 ),
@@ -1606,6 +1835,16 @@ def _child_env() -> dict[str, str]:
     env["PYTHONPATH"] = root + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     env.setdefault("PYTHONUNBUFFERED", "1")
     return env
+
+
+def _per_function_means(groups: list[P.TrainGroup]) -> dict[str, float]:
+    """Mean score of each reward function over the completions it scored (None left out)."""
+    scores: dict[str, list[float]] = {}
+    for group in groups:
+        for completion in group.completions:
+            for name, value in completion.rewards.items():
+                scores.setdefault(name, []).append(value)
+    return {name: float(np.mean(values)) for name, values in scores.items()}
 
 
 def _max_ledger_group(path: Path) -> int:

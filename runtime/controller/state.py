@@ -21,6 +21,8 @@ class ControllerState(msgspec.Struct, kw_only=True):
     next_group_id: int = 0
     discarded_total: int = 0
     requeued_total: int = 0
+    skipped_total: int = 0
+    """Groups dropped because a reward function failed (``task.on_reward_error: skip_group``)."""
     finished: bool = False
     time: float = 0.0
 

@@ -6,8 +6,9 @@ starts the engine on weight version 0 and says ``WorkerHello``. Then it heartbea
 ``rollout.heartbeat_s`` and serves the controller's requests:
 
 - ``Generate``: one group; the finished group goes back as ``GroupDone`` (token ids, behaviour
-  log-probs, version span and reward of every sample) or, if any sample was aborted, as
-  ``GroupAborted``. Groups run concurrently; vLLM schedules up to ``max_num_seqs`` sequences.
+  log-probs, version span and reward of every sample), as ``GroupAborted`` if any sample was
+  aborted, or as ``GroupFailed`` if a reward function failed on it (traceback in this log).
+  Groups run concurrently; vLLM schedules up to ``max_num_seqs`` sequences.
 - ``PauseWorker(mode)`` / ``ResumeWorker``: vLLM's own pause (``keep``, ``wait``, ``abort``).
 - ``UpdateWeights(version, path, mode)``: in place, ``boundary`` or ``keep`` (see
   ``RolloutEngine.update_weights``). Generates that arrive meanwhile wait behind it.
@@ -27,7 +28,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +45,7 @@ from runtime.protocol import (
     Generate,
     GroupAborted,
     GroupDone,
+    GroupFailed,
     Heartbeat,
     PauseWorker,
     ResumeWorker,
@@ -52,6 +54,7 @@ from runtime.protocol import (
     WorkerAck,
     WorkerHello,
 )
+from runtime.tasks.rewards import GroupRewards, RewardError
 from runtime.transport import connect
 
 if __name__ == "__mp_main__":
@@ -61,24 +64,36 @@ if __name__ == "__mp_main__":
 
 log = logging.getLogger("runtime.rollout.worker")
 
-RewardFn = Callable[[int, Sequence[int]], float]
-"""``reward(prompt_id, completion_token_ids)``."""
+RewardFn = Callable[[int, Sequence[Sequence[int]]], Awaitable[GroupRewards]]
+"""``await reward(prompt_id, completion_token_ids_of_the_group)``."""
 
 
 class TaskRewarder:
-    """Scores completions with the run's task: decode the tokens, then ``task.reward``."""
+    """Scores a group with the run's task: decode the tokens, then the task's reward.
 
-    def __init__(self, task: Any, tokenizer: Any) -> None:
-        self._task = task
+    A task with ``score_group`` (the user's reward functions) scores the whole group in one call
+    and may raise ``RewardError``; a built-in task scores each completion.
+    """
+
+    def __init__(self, task: Any, tokenizer: Any, *more: Any) -> None:
+        """``more``: further tasks with their own prompt ids (the eval set)."""
         self._tokenizer = tokenizer
-        self._prompts = {prompt.prompt_id: prompt for prompt in task.prompts}
+        self._prompts = {p.prompt_id: (p, t) for t in (task, *more) for p in t.prompts}
+        self._name = task.name
+        for each in (task, *more):
+            getattr(each, "rewards", None)  # import the user's reward functions now, not mid-run
 
-    def __call__(self, prompt_id: int, token_ids: Sequence[int]) -> float:
-        prompt = self._prompts.get(prompt_id)
-        if prompt is None:
-            raise KeyError(f"prompt_id {prompt_id} is not in task {self._task.name!r}")
-        text = self._tokenizer.decode(list(token_ids), skip_special_tokens=True)
-        return float(self._task.reward(prompt, text))
+    async def __call__(self, prompt_id: int, group: Sequence[Sequence[int]]) -> GroupRewards:
+        found = self._prompts.get(prompt_id)
+        if found is None:
+            raise KeyError(f"prompt_id {prompt_id} is not in task {self._name!r}")
+        prompt, task = found
+        ids = [list(token_ids) for token_ids in group]
+        texts = [self._tokenizer.decode(i, skip_special_tokens=True) for i in ids]
+        score_group = getattr(task, "score_group", None)
+        if score_group is not None:
+            return await score_group(prompt, texts, ids)
+        return GroupRewards([float(task.reward(prompt, t)) for t in texts], {})
 
 
 class RolloutWorker:
@@ -329,6 +344,22 @@ class RolloutWorker:
                 reason = "aborted" if group_id in self._aborting else "aborted by a pause"
                 await self._send_aborted(group_id, reason)
                 return
+            try:
+                scores = await self.reward(
+                    message.prompt_id, [sample.token_ids.tolist() for sample in samples]
+                )
+            except RewardError as exc:
+                # The traceback (the user's function's own, chained) goes to this worker's log.
+                log.exception("group %d: %s", group_id, exc)
+                await self._send(
+                    GroupFailed(
+                        group_id=group_id,
+                        prompt_id=message.prompt_id,
+                        instance_id=self.instance_id,
+                        error=str(exc),
+                    )
+                )
+                return
             completions = [
                 Completion(
                     token_ids=sample.token_ids,
@@ -336,10 +367,15 @@ class RolloutWorker:
                     version_min=sample.version_min,
                     version_max=sample.version_max,
                     finish_reason=sample.finish_reason,
-                    reward=self.reward(message.prompt_id, sample.token_ids.tolist()),
+                    reward=scores.totals[k],
                     finished_at=sample.finished_at,
+                    rewards={
+                        name: values[k]
+                        for name, values in scores.per_function.items()
+                        if values[k] is not None
+                    },
                 )
-                for sample in samples
+                for k, sample in enumerate(samples)
             ]
             await self._send(
                 GroupDone(
@@ -405,8 +441,11 @@ async def serve(run_dir: Path, instance_id: int) -> int:
     endpoints = RunDir(run_dir).read_endpoints()
     instance = config.rollout.instance_list()[instance_id]
     model = ensure_model(config)
+    from runtime.tasks.dataset import DatasetTask
+
     task = build_task(config)
-    reward = TaskRewarder(task, load_tokenizer(model))
+    extra = [t for t in (DatasetTask.eval_of(config),) if t is not None]
+    reward = TaskRewarder(task, load_tokenizer(model), *extra)
 
     context = zmq.asyncio.Context()
     socket = connect(

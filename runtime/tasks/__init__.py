@@ -1,7 +1,8 @@
 """Tasks (prompts + verifiable rewards) and the model a run starts from.
 
 - :func:`build_task` turns ``config.task`` into a :class:`Task`: ``target_length`` (built-in,
-  synthetic), ``gsm8k`` (JSONL math problems) or ``sim`` (simulated backend).
+  synthetic), ``gsm8k`` (JSONL math problems), ``dataset`` (the user's dataset and reward
+  functions, :mod:`runtime.tasks.dataset`) or ``sim`` (simulated backend).
 - :func:`ensure_model` returns the directory (or hub id) of weight version 0. For
   ``model.path: builtin:tiny`` it builds the tiny Llama and its supervised warm start once, into
   a cache keyed by everything that changes them.
@@ -44,6 +45,8 @@ class TaskPrompt:
     prompt_id: int
     text: str
     meta: dict[str, Any]
+    messages: list[dict[str, str]] | None = None
+    """A chat prompt's ``{role, content}`` messages (``text`` is then the last one's content)."""
 
 
 @runtime_checkable
@@ -74,12 +77,18 @@ def build_task(config: Config) -> Task:
         from runtime.tasks.gsm8k import Gsm8kTask
 
         return Gsm8kTask.from_config(config)
+    if name == "dataset":
+        from runtime.tasks.dataset import DatasetTask
+
+        return DatasetTask.from_config(config)
     if name == "sim":
         # Owned by the sim backend; imported lazily so the real path never needs it.
         from runtime.tasks.sim_task import build_sim_task
 
         return build_sim_task(config)
-    raise ValueError(f"task.name: unknown task {name!r} (allowed: target_length, gsm8k, sim)")
+    raise ValueError(
+        f"task.name: unknown task {name!r} (allowed: target_length, gsm8k, dataset, sim)"
+    )
 
 
 def default_cache_dir() -> Path:
@@ -90,6 +99,9 @@ def default_cache_dir() -> Path:
 def model_cache_key(config: Config) -> str:
     """Hash of everything that changes the built-in model: its shape, the task, the seed."""
     task = config.task.model_dump(mode="json")
+    if config.task.name == "dataset":
+        # No warm start for a user's dataset (see _build_builtin): the model is the same for any.
+        task = {"name": "dataset"}
     for field in ("lengths_trace", "dataset"):
         # The file's content counts, not only its name.
         if task.get(field):
@@ -161,7 +173,7 @@ def _build_builtin(config: Config, out_dir: Path, progress: ProgressFn | None) -
         "seed": config.run.seed,
         "sft": None,
     }
-    if config.task.sft_steps > 0:
+    if config.task.sft_steps > 0 and config.task.name != "dataset":
         task = build_task(config)
         if isinstance(task, SupervisedTask):
             from runtime.tasks.sft import warm_start
@@ -170,6 +182,52 @@ def _build_builtin(config: Config, out_dir: Path, progress: ProgressFn | None) -
         else:
             log.info("task %s has no warm-start data; skipping SFT", task.name)
     return info
+
+
+def preflight(config: Config) -> Config:
+    """Check the task (and that telemetry.wandb can be honoured) before any process starts,
+    and fix the task's local paths.
+
+    For ``task.name: dataset`` this loads the dataset and imports and checks every reward
+    function, so a missing file or field, an unimportable path, a wrong signature or an empty
+    dataset is a ``ConfigError`` (exit 2). Local paths (dataset, reward files, chat template)
+    are made absolute, since every process reads the resolved config from the run directory.
+    """
+    import importlib.util
+
+    from runtime.config import ConfigError
+
+    if config.telemetry.wandb is not None and importlib.util.find_spec("wandb") is None:
+        raise ConfigError(
+            "telemetry.wandb: the wandb package is not installed; pip install 'asp-tui[wandb]'"
+        )
+    if config.task.name != "dataset":
+        return config
+    task = config.task.model_copy(deep=True)
+    if task.dataset and Path(task.dataset).expanduser().exists():
+        task.dataset = str(Path(task.dataset).expanduser().resolve())
+    if isinstance(task.reward, str):
+        task.reward = task.reward_functions()[0]
+    for spec in task.reward_functions():
+        source, sep, attr = spec.fn.rpartition(":")
+        if sep and (source.endswith(".py") or "/" in source) and Path(source).is_file():
+            spec.fn = f"{Path(source).resolve()}:{attr}"
+    if task.chat_template and "{" not in task.chat_template:
+        try:
+            resolve_chat_template(task.chat_template)
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
+        task.chat_template = str(Path(task.chat_template).expanduser().resolve())
+    if task.eval is not None and Path(task.eval.dataset).expanduser().exists():
+        task.eval.dataset = str(Path(task.eval.dataset).expanduser().resolve())
+    resolved = config.model_copy(update={"task": task})
+    build_task(resolved).rewards  # noqa: B018 (loads the data, imports the rewards: ConfigError)
+    from runtime.tasks.dataset import DatasetTask
+
+    evaluation = DatasetTask.eval_of(resolved)
+    if evaluation is not None:
+        evaluation.rewards  # noqa: B018 (checks the functions against the eval set's columns)
+    return resolved
 
 
 def load_tokenizer(model: str):
@@ -183,11 +241,36 @@ def load_tokenizer(model: str):
     return tokenizer
 
 
-def encode_prompt(tokenizer, prompt: TaskPrompt) -> list[int]:
-    """Prompt token ids: the chat template when the tokenizer has one, else plain text (+BOS)."""
-    if getattr(tokenizer, "chat_template", None):
+def resolve_chat_template(value: str | None) -> str | None:
+    """``task.chat_template``: a file holding a Jinja template, or the template itself."""
+    if value is None:
+        return None
+    if "{" not in value:  # no Jinja tag: a path (a template always has one)
+        file = Path(value).expanduser()
+        if not file.is_file():
+            raise ValueError(f"task.chat_template: {value!r} is neither a template nor a file")
+        return file.read_text()
+    return value
+
+
+def encode_prompt(tokenizer, prompt: TaskPrompt, chat_template: str | None = None) -> list[int]:
+    """Prompt token ids, computed once by the controller and sent to the workers and the trainer,
+    so both see the same ids.
+
+    A chat prompt (``prompt.messages``) goes through ``chat_template`` or else the tokenizer's
+    own, with the generation prompt; a string prompt goes through the template as one user
+    message when there is one, else it is tokenized as plain text (+BOS).
+    """
+    template = chat_template or getattr(tokenizer, "chat_template", None)
+    if prompt.messages is not None and not template:
+        raise ValueError(
+            f"task.chat_template: prompt {prompt.prompt_id} is a chat (a list of messages) but "
+            "the tokenizer has no chat template; set task.chat_template"
+        )
+    if template:
+        messages = prompt.messages or [{"role": "user", "content": prompt.text}]
         ids = tokenizer.apply_chat_template(
-            [{"role": "user", "content": prompt.text}], add_generation_prompt=True, tokenize=True
+            messages, chat_template=template, add_generation_prompt=True, tokenize=True
         )
         if isinstance(ids, Mapping):  # transformers 5 may return a BatchEncoding
             ids = ids["input_ids"]
@@ -206,4 +289,6 @@ __all__ = [
     "ensure_model",
     "load_tokenizer",
     "model_cache_key",
+    "preflight",
+    "resolve_chat_template",
 ]
