@@ -160,6 +160,7 @@ def observed(tmp_path_factory: pytest.TempPathFactory) -> Observed:
         REPO / "configs/tiny.yaml",
         [
             "run.name=e2e",
+            "rollout.instances=2",  # the scenario kills worker 1 while worker 0 goes on
             "trainer.steps=200",
             "async.lag_bound=2",
             "telemetry.hz=4",
