@@ -250,7 +250,10 @@ class AsyncConfig(_Section):
     lag_bound: NonNegativeInt = 1
     on_lag_decrease: Literal["wait", "abort"] = "wait"
     weight_sync: Literal["file", "nccl"] = "file"
-    update_mode: Literal["boundary", "keep"] = "boundary"
+    update_mode: Literal["boundary", "keep", "inflight"] = "boundary"
+    """How a worker loads new weights under running samples: ``boundary`` lets them finish on
+    the old weights first; ``keep`` freezes them and recomputes their KV on the new weights;
+    ``inflight`` freezes them for the reload only and keeps their KV (no prefix caching)."""
     max_lag_bound: NonNegativeInt = 16
 
 

@@ -419,6 +419,20 @@ def test_keep_update_changes_weights_under_running_samples(worker: WorkerHandle)
         assert completion.version_min == completion.version_max == version
 
 
+def test_inflight_update_is_refused_by_an_engine_with_prefix_caching(
+    worker: WorkerHandle,
+) -> None:
+    """The module's engines cache prefixes (``update_mode: boundary``); keeping old-weight KV
+    there would let later requests reuse it, so the update is refused and nothing changes."""
+    worker.ensure()
+    before, weights = worker.version, worker.weights
+    _update(worker, "inflight")
+    ack = _ack(worker, "update_weights")
+    assert not ack.ok and "without prefix caching" in ack.detail
+    assert ack.weight_version == before
+    worker.version, worker.weights = before, weights  # what the engine still holds
+
+
 def test_abort_groups_ends_a_running_group(worker: WorkerHandle) -> None:
     worker.ensure()
     running = _generate(worker, n=1, max_tokens=LONG, temperature=0.0)

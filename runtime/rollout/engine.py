@@ -41,9 +41,9 @@ from vllm.v1.engine.llm_engine import LLMEngine
 log = logging.getLogger(__name__)
 
 PauseMode = Literal["keep", "wait", "abort"]
-UpdateMode = Literal["boundary", "keep"]
+UpdateMode = Literal["boundary", "keep", "inflight"]
 PAUSE_MODES: tuple[str, ...] = ("keep", "wait", "abort")
-UPDATE_MODES: tuple[str, ...] = ("boundary", "keep")
+UPDATE_MODES: tuple[str, ...] = ("boundary", "keep", "inflight")
 ENGINE_KINDS: tuple[str, ...] = ("inproc", "async")
 
 EXTENSION_CLS = "runtime.rollout.weight_extension.WeightReloadExtension"
@@ -66,6 +66,8 @@ class EngineSpec:
     """CPU runs eagerly (torch.compile costs minutes on 2 cores); GPUs may turn it off."""
     engine: str = "inproc"
     """``inproc`` (``LLMEngine`` in the worker process) or ``async`` (``AsyncLLM``)."""
+    prefix_caching: bool = True
+    """Off for ``inflight`` weight updates, which keep KV computed by older weights."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,6 +159,7 @@ def _engine_args(spec: EngineSpec) -> dict[str, Any]:
         # what the trainer's importance ratio compares against.
         "logprobs_mode": "processed_logprobs",
         "disable_log_stats": True,
+        "enable_prefix_caching": spec.prefix_caching,
     }
 
 
@@ -302,20 +305,26 @@ class RolloutEngine(ABC):
         ``boundary``: in-flight requests finish on the old weights (pause ``wait``), then the
         reload. ``keep``: in-flight requests freeze (pause ``keep``), the reload happens under
         them, and they continue on the new weights; their KV is dropped so the tokens after the
-        update are computed from the new weights only. Either way the prefix cache is reset,
-        so no later request reuses KV from old weights. Requests submitted meanwhile queue and
+        update are computed from the new weights only. ``inflight`` (PipelineRL's in-flight
+        update): as ``keep``, but the running requests keep their KV, so nothing is recomputed;
+        the tokens after the update come from the new weights over a prefix cached by the old
+        ones, and the behaviour log-probs record exactly that. It needs an engine without
+        prefix caching (``EngineSpec.prefix_caching``), so that no later request reuses KV from
+        old weights. Otherwise the prefix cache is reset. Requests submitted meanwhile queue and
         start on the new weights. On an engine the operator paused, the update applies at once
         and the engine stays paused.
         """
         if mode not in UPDATE_MODES:
             raise ValueError(f"update mode {mode!r} is not one of {UPDATE_MODES}")
+        if mode == "inflight" and self.spec.prefix_caching:
+            raise ValueError("update mode 'inflight' needs an engine without prefix caching")
         held_since = time.perf_counter()
         was_paused = self._paused
         if not was_paused:
-            await self._pause("wait" if mode == "boundary" else "keep", clear_cache=True)
+            await self._pause("wait" if mode == "boundary" else "keep", clear_cache=False)
         await self._weight_sync.load(self.call_workers, version, path)
         # Preempts any frozen request (recomputed on resume), so the reset cannot be refused.
-        if not await self._reset_prefix_cache():
+        if self.spec.prefix_caching and not await self._reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
         await self._set_weight_version(version)
         self.weight_version = version

@@ -469,6 +469,7 @@ async def serve(run_dir: Path, instance_id: int) -> int:
                 tensor_parallel_size=instance.tensor_parallel_size,
                 weight_sync=config.async_.weight_sync,
                 engine=resolve_engine_kind(config.rollout.engine, instance.tensor_parallel_size),
+                prefix_caching=config.async_.update_mode != "inflight",
             )
         )
         log.info(
