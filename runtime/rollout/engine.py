@@ -441,6 +441,7 @@ class InprocEngine(RolloutEngine):
 
     def _add(self, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> None:
         self._llm.add_request(request_id, prompt, params)
+        self._drained.clear()  # a "wait" pause from now on waits for this one too
         self._work.set()
 
     async def _outputs(
