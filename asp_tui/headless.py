@@ -16,20 +16,25 @@ from runtime.launcher import (
     start_controller,
     wait_for_endpoints,
 )
+from runtime.protocol import EventKind
 from runtime.resources import plan_resources
 from runtime.rundir import JsonlTail, RunDir
 
-_EVENTS_SHOWN = {
-    "command",
-    "instance",
-    "discard",
-    "run",
-    "lag_bound",
-    "auth",
-    "reward",
-    "task",
-    "eval",
-}
+_EVENTS_SHOWN = frozenset(
+    {
+        EventKind.COMMAND,
+        EventKind.INSTANCE,
+        EventKind.DISCARD,
+        EventKind.RUN,
+        EventKind.LAG,
+        EventKind.AUTH,
+        EventKind.REWARD,
+        EventKind.TASK,
+        EventKind.EVAL,
+    }
+)
+"""The event records a headless run prints between its step lines (routine weight syncs and
+trainer hellos stay in metrics.jsonl)."""
 
 
 def format_step(record: dict[str, Any], total_steps: int) -> str:

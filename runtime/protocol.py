@@ -9,6 +9,7 @@ Decoders reject an unknown type, a wrong version or an oversized frame with ``Pr
 
 from __future__ import annotations
 
+import enum
 import logging
 from collections import Counter
 from collections.abc import Sequence
@@ -310,9 +311,30 @@ class Snapshot(_Message):
     (under ``control``) commands the client's role may not send."""
 
 
+class EventKind(enum.StrEnum):
+    """What a controller event (and its ``metrics.jsonl`` record's ``event`` field) is about.
+
+    The wire carries the plain string, so a client that meets a newer kind still decodes it.
+    """
+
+    RUN = "run"
+    TRAINER = "trainer"
+    INSTANCE = "instance"
+    WEIGHTS = "weights"
+    DISCARD = "discard"
+    LAG = "lag"
+    """A lowered lag bound came into force."""
+    COMMAND = "command"
+    AUTH = "auth"
+    EVAL = "eval"
+    REWARD = "reward"
+    TASK = "task"
+
+
 class Event(_Message):
     time: float
     kind: str
+    """An ``EventKind`` value."""
     message: str
     data: dict[str, Any] = {}
 

@@ -164,7 +164,7 @@ class Controller:
         self._batch_samples = 0
         self._batch_rewards: list[float] = []
         self._batch_fn_rewards: dict[str, float] = {}
-        self._pending_events: list[tuple[str, str, dict[str, Any]]] = []
+        self._pending_events: list[tuple[P.EventKind, str, dict[str, Any]]] = []
         self.eval_prompts: dict[int, Any] = {}
         self.eval_tokens: dict[int, np.ndarray] = {}
         self.eval_round: EvalRound | None = None
@@ -233,7 +233,7 @@ class Controller:
         except Exception as exc:
             log.exception("controller failed")
             self.exit_code = self.exit_code or 1
-            self._event("run", f"controller failed: {exc}", error=str(exc))
+            self._event(P.EventKind.RUN, f"controller failed: {exc}", error=str(exc))
         finally:
             tasks = [*self._tasks, *([self._auth_task] if self._auth_task else [])]
             for task in tasks:
@@ -293,7 +293,7 @@ class Controller:
             version=self.governor.version, epoch=self.epoch, resumed=self.resumed
         )
         self._event(
-            "run",
+            P.EventKind.RUN,
             "controller started"
             + (
                 f" (resumed at v{self.governor.version}, epoch {self.epoch})"
@@ -379,7 +379,7 @@ class Controller:
             )
         self._pending_events.append(
             (
-                "task",
+                P.EventKind.TASK,
                 f"{len(long)} {what} prompt(s) longer than task.max_prompt_tokens ({limit}) "
                 f"skipped: {shown}",
                 {"skipped_prompts": len(long), "max_prompt_tokens": limit, "set": what},
@@ -473,7 +473,9 @@ class Controller:
             scheduler = await asyncio.get_running_loop().run_in_executor(None, plan.make)
         except Exception as exc:
             log.exception("planning epoch %d failed", plan.epoch)
-            self._event("run", f"planning epoch {plan.epoch} failed: {exc}", error=str(exc))
+            self._event(
+                P.EventKind.RUN, f"planning epoch {plan.epoch} failed: {exc}", error=str(exc)
+            )
             self.request_stop(f"planning epoch {plan.epoch} failed", code=1)
             return
         finally:
@@ -526,7 +528,7 @@ class Controller:
     def _on_signal(self, name: str) -> None:
         if self.stopping:
             # A second signal: the operator does not want to wait for the final checkpoint.
-            self._event("run", f"signal {name} again: killing every child now")
+            self._event(P.EventKind.RUN, f"signal {name} again: killing every child now")
             self.supervisor.kill_all_now()
             return
         self.request_stop(f"signal {name}")
@@ -540,7 +542,7 @@ class Controller:
         self.stop_reason = reason
         self.exit_code = self.exit_code or code
         self.state = "stopping"
-        self._event("run", f"stopping: {reason}", reason=reason)
+        self._event(P.EventKind.RUN, f"stopping: {reason}", reason=reason)
         self._try_batch()
         self._stop_event.set()
 
@@ -568,7 +570,7 @@ class Controller:
         self.state = "finished" if self.exit_code == 0 else "failed"
         self._publish_snapshot()
         self._event(
-            "run",
+            P.EventKind.RUN,
             f"stopped ({self.stop_reason}), exit {self.exit_code}",
             code=self.exit_code,
             version=self.governor.version,
@@ -586,11 +588,11 @@ class Controller:
             )
         except Exception as exc:
             log.exception("export of the final weights failed")
-            self._event("run", f"export to {target} failed: {exc}", error=str(exc))
+            self._event(P.EventKind.RUN, f"export to {target} failed: {exc}", error=str(exc))
             self.exit_code = self.exit_code or 1
             return
         self._event(
-            "run",
+            P.EventKind.RUN,
             f"final weights (v{self.governor.version}) exported to {target}",
             path=str(target),
             version=self.governor.version,
@@ -640,7 +642,7 @@ class Controller:
 
     def _on_auth_refused(self, refusal: Refusal, count: int) -> None:
         self._event(
-            "auth",
+            P.EventKind.AUTH,
             f"refused {refusal.role or 'unknown'} client from {refusal.address} on "
             f"{refusal.socket}: {refusal.reason} ({count} refused on {refusal.socket} so far)",
             socket=refusal.socket,
@@ -763,7 +765,7 @@ class Controller:
             if not msg.ok:
                 inst.sync_failures += 1
                 self._event(
-                    "weights",
+                    P.EventKind.WEIGHTS,
                     f"instance {inst.instance_id} failed to load weights: {msg.detail}",
                     instance=inst.instance_id,
                     ok=False,
@@ -855,7 +857,7 @@ class Controller:
         if self.config.task.on_reward_error == "fail":
             log.error("reward failed on instance %d: %s", inst.instance_id, msg.error)
             self._event(
-                "reward",
+                P.EventKind.REWARD,
                 f"reward failed, stopping (task.on_reward_error: fail): {msg.error}; "
                 f"traceback in logs/worker-{inst.instance_id}.log",
                 group=msg.group_id,
@@ -866,7 +868,7 @@ class Controller:
             self.request_stop(f"reward failed: {msg.error}", code=1)
             return
         self._event(
-            "reward",
+            P.EventKind.REWARD,
             f"group {msg.group_id} skipped (task.on_reward_error: skip_group): {msg.error}",
             group=msg.group_id,
             prompt=msg.prompt_id,
@@ -883,7 +885,9 @@ class Controller:
             return False
         version = self.governor.version
         if self.eval_round is not None and not self.eval_round.done:
-            self._event("eval", f"eval at v{version} not started: the previous round is running")
+            self._event(
+                P.EventKind.EVAL, f"eval at v{version} not started: the previous round is running"
+            )
             return False
         # A syncing instance holds the round until its new weights are in (worker.py), so the
         # round right after a step runs on that step's weights.
@@ -893,7 +897,7 @@ class Controller:
             if inst.state in (RUNNING, SYNCING) and not inst.operator_paused
         ]
         if not ready:
-            self._event("eval", f"eval at v{version} not started: no running instance")
+            self._event(P.EventKind.EVAL, f"eval at v{version} not started: no running instance")
             return False
         inst = min(ready, key=lambda x: (len(x.in_flight), x.instance_id))
         pending = {}
@@ -939,7 +943,7 @@ class Controller:
             self.trackers.log(record, max(1, round_.version))
         # The event is the metrics.jsonl record: {"event": "eval", "message": ..., eval_*}.
         self._event(
-            "eval",
+            P.EventKind.EVAL,
             describe_eval(record),
             **{k: v for k, v in record.items() if k != "event"},
         )
@@ -960,7 +964,9 @@ class Controller:
         while time.time() < deadline and self.eval_round is not None and not self.eval_round.done:
             await asyncio.sleep(0.1)
         if self.eval_round is not None and not self.eval_round.done:
-            self._event("eval", f"final eval gave up after {timeout_s:g} s (task.eval.timeout_s)")
+            self._event(
+                P.EventKind.EVAL, f"final eval gave up after {timeout_s:g} s (task.eval.timeout_s)"
+            )
 
     # ============================================================================ dispatch
     def _after_change(self) -> None:
@@ -971,7 +977,7 @@ class Controller:
         gov = self.governor
         if self._seen_pending is not None and gov.pending_lag_bound is None:
             self._event(
-                "lag",
+                P.EventKind.LAG,
                 f"lag bound {gov.lag_bound} now in force (in-flight work drained)",
                 lag_bound=gov.lag_bound,
             )
@@ -1077,7 +1083,7 @@ class Controller:
         self.ledger.discarded(gid, reason=reason)
         self._give_back(prompt_id, epoch)
         self._event(
-            "discard",
+            P.EventKind.DISCARD,
             f"group {gid} (prompt {prompt_id}) discarded and re-queued: {reason}",
             group=gid,
             prompt=prompt_id,
@@ -1100,7 +1106,7 @@ class Controller:
                 self._give_back(flight.prompt_id, flight.epoch)
                 self._send_worker(inst, P.AbortGroups(group_ids=[gid]))
                 self._event(
-                    "discard",
+                    P.EventKind.DISCARD,
                     f"group {gid} aborted on instance {inst.instance_id} and re-queued: {reason}",
                     group=gid,
                     instance=inst.instance_id,
@@ -1121,7 +1127,7 @@ class Controller:
             self._give_back(flight.prompt_id, flight.epoch)
         if lost:
             self._event(
-                "instance",
+                P.EventKind.INSTANCE,
                 f"instance {inst.instance_id}: {len(lost)} group(s) re-queued ({reason})",
                 instance=inst.instance_id,
                 requeued=len(lost),
@@ -1135,7 +1141,7 @@ class Controller:
         inst.state = state
         inst.state_since = now
         self._event(
-            "instance",
+            P.EventKind.INSTANCE,
             f"instance {inst.instance_id}: {old} -> {state}" + (f" ({why})" if why else ""),
             instance=inst.instance_id,
             old=old,
@@ -1167,7 +1173,7 @@ class Controller:
                 return
             if self.governor.version >= self.total_steps and self.trainer_shutdown_sent:
                 return
-            self._event("run", f"trainer exited unexpectedly with code {code}", code=code)
+            self._event(P.EventKind.RUN, f"trainer exited unexpectedly with code {code}", code=code)
             self.request_stop(f"trainer exited with code {code}", code=1)
             return
         if self.stopping:
@@ -1192,7 +1198,7 @@ class Controller:
         if not manual:
             if not rcfg.auto or lead.auto_restarts >= rcfg.max_restarts:
                 self._event(
-                    "instance",
+                    P.EventKind.INSTANCE,
                     f"{name} stays down (automatic restarts: "
                     f"{lead.auto_restarts}/{rcfg.max_restarts}, auto={rcfg.auto})",
                     name=name,
@@ -1279,13 +1285,13 @@ class Controller:
         if msg.weight_version != gov.version:
             if gov.outstanding or gov.in_flight or gov.queued:
                 self._event(
-                    "trainer",
+                    P.EventKind.TRAINER,
                     f"trainer at v{msg.weight_version} but the controller is "
                     f"at v{gov.version} with work in flight; keeping v{gov.version}",
                 )
             else:
                 self._event(
-                    "trainer",
+                    P.EventKind.TRAINER,
                     f"trainer checkpoint is at v{msg.weight_version}; "
                     f"controller state said v{gov.version}: following the trainer",
                 )
@@ -1297,7 +1303,7 @@ class Controller:
                     if inst.alive and inst.weight_version != gov.version:
                         self._start_sync(inst, time.time())
         self._event(
-            "trainer",
+            P.EventKind.TRAINER,
             f"trainer connected ({msg.num_processes} process(es), "
             f"v{msg.weight_version}, pid {msg.pid})",
             pid=msg.pid,
@@ -1439,7 +1445,7 @@ class Controller:
                 told.append(inst.instance_id)
         self._sync_started_at = now
         self._event(
-            "weights",
+            P.EventKind.WEIGHTS,
             f"weights v{msg.version} published to {len(told)} instance(s)",
             version=msg.version,
             path=msg.weights_path,
@@ -1523,7 +1529,7 @@ class Controller:
             self._sync_started_at = None
             self.last_sync_s = time.time() - started
             self._event(
-                "weights",
+                P.EventKind.WEIGHTS,
                 f"weights v{v} loaded by every live instance in {self.last_sync_s:.2f}s",
                 version=v,
                 sync_s=self.last_sync_s,
@@ -1536,7 +1542,7 @@ class Controller:
         handled_at = time.time()
         self._send(self.sockets.control, identity, reply)
         entry = {
-            "event": "command",
+            "event": P.EventKind.COMMAND,
             "name": msg.name,
             "args": _jsonable(msg.args),
             "ok": reply.ok,
@@ -1550,7 +1556,7 @@ class Controller:
             if reply.ok and reply.reason:
                 text += f" ({reply.reason})"
             self._event(
-                "command",
+                P.EventKind.COMMAND,
                 text,
                 name=msg.name,
                 args=_jsonable(msg.args),
@@ -1704,7 +1710,7 @@ class Controller:
                 and now - inst.state_since > rcfg.start_timeout_s
             ):
                 self._event(
-                    "instance",
+                    P.EventKind.INSTANCE,
                     f"instance {inst.instance_id} did not start within {rcfg.start_timeout_s:.0f}s",
                     instance=inst.instance_id,
                 )
@@ -1790,7 +1796,7 @@ class Controller:
         if self.telemetry is not None:
             self.telemetry.publish_snapshot(self.snapshot())
 
-    def _event(self, kind: str, message: str, **data: Any) -> None:
+    def _event(self, kind: P.EventKind, message: str, **data: Any) -> None:
         """Publish an Event (PUB + ring buffer) and append it to metrics.jsonl."""
         log.info("[%s] %s", kind, message)
         event = P.Event(time=time.time(), kind=kind, message=message, data=_jsonable(data))
@@ -1800,7 +1806,7 @@ class Controller:
             self._record_event(event)
 
     def _record_event(self, event: P.Event) -> None:
-        if event.kind == "command":
+        if event.kind == P.EventKind.COMMAND:
             return  # _on_control writes the command record itself, with its reply
         self.metrics.write(
             {"event": event.kind, "message": event.message, **event.data, "time": event.time}
