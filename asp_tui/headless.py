@@ -134,7 +134,7 @@ class _RecordPrinter:
             if record.get("event") == "step":
                 console.print(format_step(record, self._total), soft_wrap=True)
                 last_step = record["step"]
-            elif record.get("event") in _EVENTS_SHOWN:
+            elif record.get("event") in _EVENTS_SHOWN and not record.get("routine"):
                 console.print(format_event(record), style="dim", soft_wrap=True)
         return last_step
 

@@ -32,3 +32,15 @@ def test_a_lowered_bound_coming_into_force_is_printed(tmp_path: Path) -> None:
 def test_routine_weight_syncs_stay_in_the_metrics_file(tmp_path: Path) -> None:
     record = {"event": EventKind.WEIGHTS.value, "message": "weights v3 published", "time": 1.0}
     assert "weights v3" not in _printed(tmp_path, [record])
+
+
+def test_routine_instance_transitions_are_not_printed(tmp_path: Path) -> None:
+    routine = {
+        "event": EventKind.INSTANCE.value,
+        "message": "instance 3: running -> syncing (syncing weights v4)",
+        "routine": True,
+        "time": 1.0,
+    }
+    down = {"event": EventKind.INSTANCE.value, "message": "instance 3: running -> down"}
+    printed = _printed(tmp_path, [routine, {**down, "time": 2.0}])
+    assert "syncing weights v4" not in printed and "running -> down" in printed

@@ -60,7 +60,19 @@ async def test_sim8_trains_under_the_real_controller(tmp_path: Path) -> None:
             reply = await ctl.request("resume_instance", ids=[3])
             assert reply.ok, reply.reason
             await telemetry.wait_for(lambda s: state_of(s, 3) == "running", timeout=30)
+            await telemetry.wait_for(lambda s: s.step >= 2, timeout=60)
+            _, events = await ctl.history()
         assert await controller.wait(180) == 0
+
+    # One "loaded by" line per weight version, not a syncing and a running line per instance.
+    routine = [
+        e
+        for e in events
+        if e.kind == "instance"
+        and ("running -> syncing" in e.message or "syncing -> running" in e.message)
+    ]
+    assert routine == [], routine
+    assert any(e.kind == "weights" and "loaded by 8/8 instances" in e.message for e in events)
 
     steps = [r for r in read_jsonl(rd.metrics) if r.get("event") == "step"]
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
@@ -79,3 +91,5 @@ async def test_sim8_trains_under_the_real_controller(tmp_path: Path) -> None:
     assert "0 rejected frame(s)" in backend_log
     assert f"sim trainer exits at version {STEPS}" in rd.log_file("trainer").read_text()
     assert processes_mentioning(str(rd.root)) == []
+    synced = [r for r in read_jsonl(rd.metrics) if r.get("routine")]
+    assert synced, "routine transitions stay in metrics.jsonl"

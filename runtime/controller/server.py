@@ -746,7 +746,7 @@ class Controller:
         mode = self.config.async_.update_mode
         self._send_worker(inst, P.UpdateWeights(version=v, path=path, mode=mode))
         if inst.state != PAUSED:
-            self._set_state(inst, SYNCING, now, f"syncing weights v{v}")
+            self._set_state(inst, SYNCING, now, f"syncing weights v{v}", routine=True)
 
     def _weights_of(self, version: int) -> str:
         """Where version ``version`` lives: what StepDone said, else the file on disk (a resumed
@@ -788,6 +788,7 @@ class Controller:
                     PAUSED if inst.operator_paused else RUNNING,
                     now,
                     f"weights v{inst.weight_version}",
+                    routine=True,
                 )
             self._check_sync_complete()
         elif msg.request in ("pause", "resume"):
@@ -1134,20 +1135,26 @@ class Controller:
             )
 
     # ============================================================================ instance states
-    def _set_state(self, inst: Instance, state: str, now: float, why: str = "") -> None:
+    def _set_state(
+        self, inst: Instance, state: str, now: float, why: str = "", *, routine: bool = False
+    ) -> None:
+        """Change an instance's state and record it. A ``routine`` change (running <-> syncing
+        for a weight version) goes to metrics.jsonl only: on a big cluster every version would
+        otherwise put two lines per instance in the event log; the version's own "loaded by"
+        event sums them up."""
         if inst.state == state:
             return
         old = inst.state
         inst.state = state
         inst.state_since = now
-        self._event(
-            P.EventKind.INSTANCE,
-            f"instance {inst.instance_id}: {old} -> {state}" + (f" ({why})" if why else ""),
-            instance=inst.instance_id,
-            old=old,
-            new=state,
-            reason=why,
-        )
+        message = f"instance {inst.instance_id}: {old} -> {state}" + (f" ({why})" if why else "")
+        data = {"instance": inst.instance_id, "old": old, "new": state, "reason": why}
+        if routine and {old, state} == {RUNNING, SYNCING}:
+            data["routine"] = True
+            kind = P.EventKind.INSTANCE
+            self._record_event(P.Event(time=now, kind=kind, message=message, data=data))
+            return
+        self._event(P.EventKind.INSTANCE, message, **data)
 
     def _mark_down(self, inst: Instance, now: float, why: str) -> None:
         if inst.state == DOWN:
@@ -1528,11 +1535,14 @@ class Controller:
         ):
             self._sync_started_at = None
             self.last_sync_s = time.time() - started
+            live = sum(inst.state in (RUNNING, SYNCING) for inst in self.instances.values())
             self._event(
                 P.EventKind.WEIGHTS,
-                f"weights v{v} loaded by every live instance in {self.last_sync_s:.2f}s",
+                f"weights v{v} loaded by {live}/{len(self.instances)} instances in "
+                f"{self.last_sync_s:.2f}s",
                 version=v,
                 sync_s=self.last_sync_s,
+                instances=live,
             )
 
     # ============================================================================ control plane
