@@ -51,7 +51,6 @@ class Share:
             # vLLM's own CPU binding ("auto") puts every engine on the same first core; the
             # plan already chose, so vLLM binds to our cores or not at all.
             "VLLM_CPU_OMP_THREADS_BIND": _cpu_list(self.cpus) if self.cpus else "nobind",
-            "ASP_TUI_THREADS": threads,
         }
 
     def describe(self) -> str:
@@ -128,15 +127,6 @@ def plan_resources(config: Config, host_cpus: tuple[int, ...] | None = None) -> 
     else:
         shares.append(Share(TRAINER, 1, None))
     return ResourcePlan(cpus, tuple(shares))
-
-
-def apply_own_share() -> None:
-    """Size this process's torch thread pool from its share (set by the controller)."""
-    threads = os.environ.get("ASP_TUI_THREADS")
-    if threads:
-        import torch
-
-        torch.set_num_threads(int(threads))
 
 
 def _cpu_list(cpus: tuple[int, ...] | None) -> str:

@@ -393,7 +393,8 @@ class InprocEngine(RolloutEngine):
         super().__init__(spec, weight_sync)
         self._llm = llm
         self._queues: dict[str, asyncio.Queue[Any]] = {}
-        self._held: list[tuple[str, dict[str, Any], SamplingParams]] = []
+        self._held: dict[str, tuple[dict[str, Any], SamplingParams]] = {}
+        """Requests submitted while paused, in arrival order, added to vLLM on resume."""
         self._accepting = True
         self._stepping = True
         self._work = asyncio.Event()
@@ -455,16 +456,14 @@ class InprocEngine(RolloutEngine):
             if self._accepting:
                 self._add(request_id, prompt, params)
             else:
-                self._held.append((request_id, prompt, params))
+                self._held[request_id] = (prompt, params)
             while (output := await queue.get()) is not _FINISHED:
                 yield output
         finally:
             del self._queues[request_id]
 
     async def _abort(self, request_ids: list[str]) -> None:
-        held = self._held_ids()
-        self._held = [h for h in self._held if h[0] not in request_ids]
-        live = [rid for rid in request_ids if rid not in held]
+        live = [rid for rid in request_ids if self._held.pop(rid, None) is None]
         if live:
             self._llm.abort_request(live)
         for rid in request_ids:
@@ -477,20 +476,17 @@ class InprocEngine(RolloutEngine):
         if mode == "keep":
             self._stepping = False
         elif mode == "abort":
-            await self._abort([rid for rid in self._queues if rid not in self._held_ids()])
+            await self._abort([rid for rid in self._queues if rid not in self._held])
         else:
             self._work.set()
             await self._drained.wait()
         if clear_cache:
             self._llm.reset_prefix_cache()
 
-    def _held_ids(self) -> set[str]:
-        return {rid for rid, _, _ in self._held}
-
     async def _resume(self) -> None:
         self._accepting = self._stepping = True
-        held, self._held = self._held, []
-        for request_id, prompt, params in held:
+        held, self._held = self._held, {}
+        for request_id, (prompt, params) in held.items():
             self._add(request_id, prompt, params)
         self._work.set()
 

@@ -246,7 +246,6 @@ class TrainerProcess:
         publish_started = time.perf_counter()
         path = trainer.publish()
         metrics = result.metrics
-        metrics.compute_s = metrics.step_s
         metrics.publish_s = time.perf_counter() - publish_started
         metrics.step_s = metrics.compute_s + metrics.publish_s
         metrics.wait_batch_s = timing.wait_batch_s

@@ -193,7 +193,7 @@ class Trainer:
             tokens=int(sum(s.completion_len for s in samples)),
             samples=len(samples),
             response_length_mean=float(sum(s.completion_len for s in samples) / len(samples)),
-            step_s=time.perf_counter() - started,
+            compute_s=time.perf_counter() - started,
         )
         return StepResult(
             metrics=metrics,
