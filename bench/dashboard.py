@@ -148,17 +148,17 @@ async def controller_cpu(instances: int, hz: float, warmup_s: float, window_s: f
 
 
 async def snapshot_thread_cpu(instances: int, hz: float, warmup_s: float, window_s: float) -> dict:
-    """The real ``Controller`` in this process, with ``_publish_snapshot`` (build + encode +
+    """The real ``ControllerProcess`` in this process, with ``_publish_snapshot`` (build + encode +
     send one snapshot) wrapped in ``time.thread_time``: the exact CPU telemetry costs, apart
     from the sim instances, the trainer and dispatch."""
     from runtime.controller.client import TelemetrySubscriber
-    from runtime.controller.server import Controller
+    from runtime.controller.process import ControllerProcess
     from runtime.rundir import RunDir
 
     with tempfile.TemporaryDirectory(prefix="asp-bench-") as tmp:
         run_dir = Path(tmp)
         write_config(run_dir, instances, hz)
-        controller = Controller(run_dir, spawn=True)
+        controller = ControllerProcess(run_dir, spawn=True)
         spent = {"cpu": 0.0, "count": 0, "measuring": False}
         publish = controller._publish_snapshot
 

@@ -2,8 +2,9 @@
 
 ``run_controller(run_dir)`` is the blocking entry point the launcher calls;
 ``python -m runtime.controller --run-dir D`` is the same as a process. The run directory must
-hold the resolved ``config.yaml``. See ``server.py`` for the wiring, ``governor.py`` for the lag
-rules, ``ledger.py`` for the group ledger and ``client.py`` for talking to a running controller.
+hold the resolved ``config.yaml``. See ``core.py`` for the decisions, ``process.py`` for the
+sockets and children, ``governor.py`` for the lag rules, ``ledger.py`` for the group ledger
+and ``client.py`` for talking to a running controller.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def run_controller(run_dir: str | Path, *, spawn: bool = True, log_to_file: bool
     SIGINT/SIGTERM), 1 if the run failed. Every child is gone when it returns. ``spawn=False``
     supervises nothing: workers and trainer are started by someone else (tests, SLURM).
     """
-    from runtime.controller.server import Controller
+    from runtime.controller.process import ControllerProcess
     from runtime.rundir import RunDir
 
     handler = None
@@ -36,7 +37,7 @@ def run_controller(run_dir: str | Path, *, spawn: bool = True, log_to_file: bool
         if root.level > logging.INFO or root.level == logging.NOTSET:
             root.setLevel(logging.INFO)
     try:
-        return asyncio.run(Controller(run_dir, spawn=spawn).run())
+        return asyncio.run(ControllerProcess(run_dir, spawn=spawn).run())
     finally:
         if handler is not None:
             logging.getLogger().removeHandler(handler)

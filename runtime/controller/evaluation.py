@@ -9,6 +9,7 @@ sums them up: mean reward, pass@k (when every reward is 0 or 1), mean completion
 from __future__ import annotations
 
 import itertools
+import logging
 import math
 import time
 from collections.abc import Iterator
@@ -17,7 +18,19 @@ from typing import Any
 
 import numpy as np
 
-from runtime.protocol import Completion
+from runtime.config import Config
+from runtime.controller.actions import Outbox, Track
+from runtime.controller.instances import RUNNING, SYNCING, Instance
+from runtime.protocol import (
+    Completion,
+    EventKind,
+    Generate,
+    GroupAborted,
+    GroupDone,
+    GroupFailed,
+)
+
+log = logging.getLogger(__name__)
 
 
 def eval_group_ids() -> Iterator[int]:
@@ -121,3 +134,100 @@ def describe_eval(record: dict[str, Any]) -> str:
     if record["eval_failed_groups"]:
         text += f", {record['eval_failed_groups']} group(s) failed"
     return text
+
+
+class Evaluator:
+    """Starts eval rounds on a running instance and reports them when they are complete."""
+
+    def __init__(
+        self,
+        config: Config,
+        instances: dict[int, Instance],
+        outbox: Outbox,
+        prompts: dict[int, Any],
+        tokens: dict[int, np.ndarray],
+    ) -> None:
+        self.config = config
+        self.instances = instances
+        self.outbox = outbox
+        self.prompts = prompts
+        self.tokens = tokens
+        self.round: EvalRound | None = None
+        self._ids = eval_group_ids()
+
+    @property
+    def enabled(self) -> bool:
+        return self.config.task.eval is not None and bool(self.prompts)
+
+    @property
+    def running(self) -> bool:
+        return self.round is not None and not self.round.done
+
+    def start(self, version: int, final: bool) -> bool:
+        """Send every eval prompt to one running instance; False if no round could start."""
+        cfg = self.config.task.eval
+        if cfg is None or not self.prompts:
+            return False
+        if final and self.running:
+            self.round = None  # superseded: the final round is the one that counts
+        if self.running:
+            self.outbox.publish(
+                EventKind.EVAL, f"eval at v{version} not started: the previous round is running"
+            )
+            return False
+        # A syncing instance holds the round until its new weights are in (worker.py), so the
+        # round right after a step runs on that step's weights.
+        ready = [
+            inst
+            for inst in self.instances.values()
+            if inst.state in (RUNNING, SYNCING) and not inst.operator_paused
+        ]
+        if not ready:
+            self.outbox.publish(
+                EventKind.EVAL, f"eval at v{version} not started: no running instance"
+            )
+            return False
+        inst = min(ready, key=lambda x: (len(x.in_flight), x.instance_id))
+        pending = {next(self._ids): pid for pid in self.prompts}
+        self.round = EvalRound(
+            version, final, inst.instance_id, set(pending), started_at=self.outbox.clock()
+        )
+        sampling = self.config.rollout.sampling
+        for gid, pid in pending.items():
+            self.outbox.to_instance(
+                inst.instance_id,
+                Generate(
+                    group_id=gid,
+                    prompt_id=pid,
+                    prompt_token_ids=self.tokens[pid],
+                    n=cfg.n,
+                    max_tokens=sampling.max_tokens,
+                    temperature=cfg.temperature,
+                    seed=None if sampling.seed is None else -gid,
+                ),
+            )
+        log.info("eval at v%d: %d prompts on instance %d", version, len(pending), inst.instance_id)
+        return True
+
+    def on_result(self, msg: GroupDone | GroupFailed | GroupAborted) -> None:
+        round_ = self.round
+        if round_ is None or msg.group_id not in round_.pending:
+            return  # a round given up on (its instance went down, or the run is ending)
+        if isinstance(msg, GroupDone):
+            round_.completed(msg.group_id, msg.prompt_id, msg.completions)
+        elif isinstance(msg, GroupFailed):
+            round_.failed(msg.group_id, msg.error)
+        else:
+            round_.failed(msg.group_id, f"group {msg.group_id} aborted: {msg.reason}")
+        if round_.done:
+            cfg = self.config.task.eval
+            assert cfg is not None
+            record = round_.summary(cfg.n)
+            # The event is the metrics.jsonl record: {"event": "eval", "message": ..., eval_*};
+            # the trackers get it at the round's version.
+            self.outbox.publish(
+                EventKind.EVAL,
+                describe_eval(record),
+                **{k: v for k, v in record.items() if k != "event"},
+            )
+            self.outbox.add(Track(record, step=max(1, round_.version)))

@@ -45,6 +45,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import Any
 
 IN_FLIGHT = "in_flight"
 COMPLETED = "completed"
@@ -57,18 +58,27 @@ SKIPPED = "skipped"
 _OPEN = (IN_FLIGHT, COMPLETED)
 
 
-@dataclass
-class GroupEntry:
-    """One dispatched group as the governor sees it."""
+@dataclass(eq=False)
+class GroupRecord:
+    """One dispatched group: the only record of it. The governor indexes the open ones, the
+    instance it runs on the ones out there (until an abort is confirmed); ``result`` holds the
+    completions while it waits in the training queue."""
 
     group_id: int
     prompt_id: int
     start_version: int
+    instance_id: int = -1
+    epoch: int = 0
+    dispatched_at: float = 0.0
     status: str = IN_FLIGHT
+    aborting: bool = False
+    """Stopped by the controller (AbortGroups sent); its slots stay busy until confirmed."""
     version_min: int | None = None
     version_max: int | None = None
     completed_seq: int = 0
     consumed_step: int | None = None
+    result: Any = None
+    """The ``GroupDone`` while the group is completed and not yet consumed."""
 
     @property
     def sort_key(self) -> tuple[int, int, int]:
@@ -76,7 +86,7 @@ class GroupEntry:
         return (self.start_version, self.completed_seq, self.group_id)
 
 
-def _oldest_first(g: GroupEntry) -> tuple[int, int, int]:
+def _oldest_first(g: GroupRecord) -> tuple[int, int, int]:
     return g.sort_key
 
 
@@ -97,6 +107,8 @@ class BatchPlan:
     aborted: tuple[int, ...] = ()
     waiting_for: tuple[int, ...] = ()
     detail: str = ""
+    discarded_records: tuple[GroupRecord, ...] = ()
+    """The records behind ``discarded`` (the governor lets go of them)."""
 
     @property
     def ready(self) -> bool:
@@ -114,6 +126,7 @@ class BoundChange:
     pending: int | None
     discarded: tuple[int, ...] = ()
     aborted: tuple[int, ...] = ()
+    discarded_records: tuple[GroupRecord, ...] = ()
 
     @property
     def description(self) -> str:
@@ -175,7 +188,7 @@ class LagGovernor:
         # Groups consumed by earlier controller runs (resume) count as admitted and consumed.
         before = version * batch_groups if consumed_before is None else consumed_before
         self.counters = Counters(admitted=before, completed=before, consumed=before)
-        self.groups: dict[int, GroupEntry] = {}
+        self.groups: dict[int, GroupRecord] = {}
         self._seq = 0
 
     # --- bounds ---------------------------------------------------------------------------------
@@ -198,7 +211,7 @@ class LagGovernor:
         return self.version + (1 if self.outstanding else 0)
 
     # --- counts ---------------------------------------------------------------------------------
-    def _open(self) -> Iterable[GroupEntry]:
+    def _open(self) -> Iterable[GroupRecord]:
         return (g for g in self.groups.values() if g.status in _OPEN)
 
     @property
@@ -254,18 +267,31 @@ class LagGovernor:
             return "full"
         return None
 
-    def admit(self, group_id: int, prompt_id: int, start_version: int) -> None:
+    def admit(
+        self,
+        group_id: int,
+        prompt_id: int,
+        start_version: int,
+        *,
+        instance_id: int = -1,
+        epoch: int = 0,
+        at: float = 0.0,
+    ) -> GroupRecord:
         """Record a dispatched group. The caller checked :meth:`admissible` first."""
         if group_id in self.groups:
             raise ValueError(f"group {group_id} was admitted already")
         reason = self.refusal(start_version)
         if reason is not None:
             raise ValueError(f"group {group_id} may not be admitted: {reason}")
-        self.groups[group_id] = GroupEntry(group_id, prompt_id, start_version)
+        record = GroupRecord(group_id, prompt_id, start_version, instance_id, epoch, at)
+        self.groups[group_id] = record
         self.counters.admitted += 1
+        return record
 
     # --- completion and cancellation ------------------------------------------------------------
-    def complete(self, group_id: int, version_min: int, version_max: int) -> str:
+    def complete(
+        self, group_id: int, version_min: int, version_max: int, result: Any = None
+    ) -> str:
         """A group came back. Returns ``queued``, ``discarded`` (rule 3) or ``ignored`` (it is
         unknown or no longer in flight, e.g. aborted or requeued already)."""
         g = self.groups.get(group_id)
@@ -276,6 +302,7 @@ class LagGovernor:
         g.version_min, g.version_max = version_min, version_max
         g.start_version = min(g.start_version, version_min)
         g.status = COMPLETED
+        g.result = result
         self.counters.completed += 1
         if self.next_consume_version - g.start_version > self._bound:
             self._set(g, DISCARDED)
@@ -297,9 +324,10 @@ class LagGovernor:
         self._maybe_apply_pending()
         return True
 
-    def _set(self, g: GroupEntry, status: str) -> None:
+    def _set(self, g: GroupRecord, status: str) -> None:
         g.status = status
         if status == DISCARDED:
+            g.result = None
             self.counters.discarded += 1
         elif status == ABORTED:
             self.counters.aborted += 1
@@ -331,8 +359,8 @@ class LagGovernor:
         open_groups = list(self._open())
         mandatory = [g for g in open_groups if g.start_version <= s - eta]
         waiting = tuple(g.group_id for g in mandatory if g.status == IN_FLIGHT)
-        discard: list[GroupEntry] = []
-        abort: list[GroupEntry] = []
+        discard: list[GroupRecord] = []
+        abort: list[GroupRecord] = []
         if len(mandatory) > b:
             mandatory.sort(key=_oldest_first)
             done = [g for g in mandatory if g.status == COMPLETED]
@@ -367,6 +395,7 @@ class LagGovernor:
             group_ids=tuple(g.group_id for g in batch),
             discarded=tuple(g.group_id for g in discard),
             aborted=tuple(g.group_id for g in abort),
+            discarded_records=tuple(discard),
         )
         if commit:
             for g in batch:
@@ -433,6 +462,7 @@ class LagGovernor:
                 None,
                 discarded=tuple(g.group_id for g in discard),
                 aborted=tuple(g.group_id for g in abort),
+                discarded_records=tuple(discard),
             )
         self._pending = value
         self._maybe_apply_pending()
@@ -448,7 +478,7 @@ class LagGovernor:
         self._bound, self._pending = self._pending, None
         return True
 
-    def open_groups(self) -> list[GroupEntry]:
+    def open_groups(self) -> list[GroupRecord]:
         return sorted(self._open(), key=_oldest_first)
 
 

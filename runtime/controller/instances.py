@@ -4,22 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from runtime.controller.governor import GroupRecord
 from runtime.protocol import INSTANCE_STATES
 
 STARTING, RUNNING, PAUSED, SYNCING, DOWN = INSTANCE_STATES
-
-
-@dataclass
-class InFlight:
-    """A group out on an instance. ``aborting``: the governor gave up on it and AbortGroups was
-    sent; its slots stay busy until the worker confirms."""
-
-    group_id: int
-    prompt_id: int
-    epoch: int
-    start_version: int
-    dispatched_at: float
-    aborting: bool = False
 
 
 @dataclass
@@ -34,7 +22,7 @@ class Instance:
     """Version of the UpdateWeights in progress."""
     sync_started: float = 0.0
     operator_paused: bool = False
-    in_flight: dict[int, InFlight] = field(default_factory=dict)
+    in_flight: dict[int, GroupRecord] = field(default_factory=dict)
     running_seqs: int = 0
     tokens_generated: int = 0
     tokens_per_s: float = 0.0

@@ -1,0 +1,316 @@
+"""Dispatch and the life of a group: out to an instance under the lag governor, back as a
+result (queued for the trainer, discarded, aborted or skipped), or lost with its instance.
+
+Every group has one record (:class:`~runtime.controller.governor.GroupRecord`), held by the
+governor while it is open and by its instance while it runs there; every transition is written
+to the ledger.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from typing import Any
+
+from runtime import protocol as P
+from runtime.config import Config
+from runtime.controller.actions import Outbox
+from runtime.controller.governor import ABORTED, SKIPPED, GroupRecord, LagGovernor
+from runtime.controller.instances import RUNNING, Instance
+from runtime.controller.ledger import Ledger
+from runtime.controller.work import WorkQueue
+
+log = logging.getLogger(__name__)
+
+
+class Dispatcher:
+    """Hands prompts to instances with free slots, and settles what comes back."""
+
+    def __init__(
+        self,
+        config: Config,
+        governor: LagGovernor,
+        work: WorkQueue,
+        instances: dict[int, Instance],
+        ledger: Ledger,
+        outbox: Outbox,
+        *,
+        may_dispatch: Callable[[], bool],
+        request_stop: Callable[[str, int], None],
+    ) -> None:
+        self.config = config
+        self.governor = governor
+        self.work = work
+        self.instances = instances
+        self.ledger = ledger
+        self.outbox = outbox
+        self.clock = outbox.clock
+        self._may_dispatch = may_dispatch
+        self._request_stop = request_stop
+        self.n = config.rollout.sampling.n
+        self.continuous = config.scheduler.dispatch == "continuous"
+        self.first_dispatch_at: float | None = None
+        self._rr = 0
+
+    # --- dispatch -----------------------------------------------------------------------------
+    def dispatch(self) -> None:
+        if self.work.scheduler is None or not self._may_dispatch():
+            return
+        self._rr = (self._rr + 1) % max(1, len(self.instances))
+        ready: list[Instance] = []
+        for inst in self.instances.values():
+            inst.blocked = ""
+            if inst.state != RUNNING or inst.operator_paused:
+                continue
+            if not self.continuous and inst.in_flight:
+                inst.blocked = "minibatch barrier"
+                continue
+            if inst.concurrency - len(inst.in_flight) > 0:
+                ready.append(inst)
+        # Least loaded first (rotating ties), and in continuous mode one group per instance per
+        # round: when admission is scarce (small η) every instance still gets its share, and
+        # work the scheduler re-queued onto any of them is not starved.
+        n = max(1, len(self.instances))
+        ready.sort(key=lambda x: (len(x.in_flight), (x.instance_id - self._rr) % n))
+        # One refusal text per weight version and pass: formatting one for each of hundreds of
+        # blocked instances after every message cost more than the dispatch itself.
+        refusals: dict[int, str] = {}
+        while ready:
+            still = []
+            for inst in ready:
+                free = inst.concurrency - len(inst.in_flight)
+                allowed = self.governor.admissible(inst.weight_version)
+                if allowed <= 0:
+                    v = inst.weight_version
+                    if v not in refusals:
+                        refusals[v] = self.governor.refusal(v) or "admission"
+                    inst.blocked = refusals[v]
+                    continue
+                # minibatch mode: the scheduler's whole minibatch (never past its boundary)
+                picks = self._next_prompts(
+                    inst.instance_id, 1 if self.continuous else min(free, allowed)
+                )
+                if not picks:
+                    inst.blocked = "no work"
+                    continue
+                for prompt_id, epoch in picks:
+                    self._dispatch_group(inst, prompt_id, epoch)
+                if self.continuous and free > 1:
+                    still.append(inst)
+            ready = still
+
+    def _next_prompts(self, instance_id: int, k: int) -> list[tuple[int, int]]:
+        out = self.work.next_prompts(instance_id, k)
+        if not out and self.work.exhausted() and self.roll_over():
+            out = self.work.next_prompts(instance_id, k)
+        return out
+
+    def roll_over(self) -> bool:
+        """The current epoch is handed out: install the next one if it is planned (True), else
+        have it planned. Until it is installed the instances get no new work; nothing is
+        dispatched from a half-built scheduler."""
+        planned = self.work.take_planned()
+        if planned is None:
+            planned = self.work.request_next(self.instance_specs(), self.governor.admission_bound)
+        if planned is None:
+            return False
+        self.install_epoch(*planned)
+        return True
+
+    def instance_specs(self) -> list[Any]:
+        from runtime.scheduler import InstanceSpec
+
+        return [InstanceSpec(i, inst.max_num_seqs) for i, inst in self.instances.items()]
+
+    def install_epoch(self, plan: Any, scheduler: Any) -> None:
+        """Make ``scheduler`` current, told what changed since it was planned."""
+        self.work.install(plan, scheduler)
+        for i, inst in self.instances.items():
+            if inst.lost_by_scheduler:
+                scheduler.on_instance_lost(i)
+            elif inst.operator_paused:
+                scheduler.on_instance_paused(i)
+        if self.governor.admission_bound != plan.lag_bound:
+            scheduler.set_lag_bound(self.governor.admission_bound)
+
+    def _dispatch_group(self, inst: Instance, prompt_id: int, epoch: int) -> None:
+        gid = self.work.new_group_id()
+        now = self.clock()
+        if self.first_dispatch_at is None:
+            self.first_dispatch_at = now
+        version = inst.weight_version
+        record = self.governor.admit(
+            gid, prompt_id, version, instance_id=inst.instance_id, epoch=epoch, at=now
+        )
+        inst.in_flight[gid] = record
+        self.ledger.dispatched(
+            gid, prompt=prompt_id, epoch=epoch, instance=inst.instance_id, version=version
+        )
+        sampling = self.config.rollout.sampling
+        self.outbox.to_instance(
+            inst.instance_id,
+            P.Generate(
+                group_id=gid,
+                prompt_id=prompt_id,
+                prompt_token_ids=self.work.prompt_tokens[prompt_id],
+                n=self.n,
+                max_tokens=sampling.max_tokens,
+                seed=None if sampling.seed is None else sampling.seed + gid,
+            ),
+        )
+        inst.running_seqs = min(inst.max_num_seqs, inst.running_seqs + self.n)
+
+    # --- results ------------------------------------------------------------------------------
+    def on_group_done(self, inst: Instance, msg: P.GroupDone) -> None:
+        record = inst.in_flight.pop(msg.group_id, None)
+        if record is None or record.aborting:
+            self.ledger.ignored(msg.group_id, reason="result of a group no longer in flight")
+            return
+        if not msg.completions:
+            self.governor.cancel(msg.group_id)
+            self.ledger.requeued(msg.group_id, reason="empty result")
+            self.work.give_back(record.prompt_id, record.epoch)
+            return
+        vmin = min(c.version_min for c in msg.completions)
+        vmax = max(c.version_max for c in msg.completions)
+        if vmin < record.start_version:
+            log.warning(
+                "group %d reports version_min %d below its dispatch version %d",
+                msg.group_id,
+                vmin,
+                record.start_version,
+            )
+        lengths = [len(c.token_ids) for c in msg.completions]
+        self.work.finished(record.prompt_id, record.epoch, inst.instance_id, lengths)
+        outcome = self.governor.complete(msg.group_id, vmin, vmax, msg)
+        self.ledger.completed(
+            msg.group_id, instance=inst.instance_id, version_min=vmin, version_max=vmax
+        )
+        if outcome == "discarded":
+            self._discarded(
+                msg.group_id,
+                record.prompt_id,
+                record.epoch,
+                f"started at v{vmin}, beyond lag bound {self.governor.lag_bound}",
+            )
+
+    def on_group_aborted(self, inst: Instance, msg: P.GroupAborted) -> None:
+        record = inst.in_flight.pop(msg.group_id, None)
+        if record is None or record.aborting:
+            return  # an abort we asked for, now confirmed (ledgered when we asked)
+        self.governor.cancel(msg.group_id, ABORTED)
+        self.ledger.aborted(msg.group_id, reason=f"worker: {msg.reason}")
+        self.work.give_back(record.prompt_id, record.epoch)
+
+    def on_group_failed(self, inst: Instance, msg: P.GroupFailed) -> None:
+        """A reward function failed on a group: stop the run, or drop the group and count it
+        (``task.on_reward_error``). The group is never scored in its place, nor handed out
+        again this epoch: the same prompt would fail the same way."""
+        record = inst.in_flight.pop(msg.group_id, None)
+        if record is None or record.aborting:
+            self.ledger.ignored(msg.group_id, reason="result of a group no longer in flight")
+            return
+        self.governor.cancel(msg.group_id, SKIPPED)
+        self.ledger.skipped(msg.group_id, reason=msg.error)
+        self.work.consumed(record.prompt_id, record.epoch)
+        about = {"group": msg.group_id, "prompt": msg.prompt_id, "instance": inst.instance_id}
+        if self.config.task.on_reward_error == "fail":
+            log.error("reward failed on instance %d: %s", inst.instance_id, msg.error)
+            self.outbox.publish(
+                P.EventKind.REWARD,
+                f"reward failed, stopping (task.on_reward_error: fail): {msg.error}; "
+                f"traceback in logs/worker-{inst.instance_id}.log",
+                **about,
+                error=msg.error,
+            )
+            self._request_stop(f"reward failed: {msg.error}", 1)
+            return
+        self.outbox.publish(
+            P.EventKind.REWARD,
+            f"group {msg.group_id} skipped (task.on_reward_error: skip_group): {msg.error}",
+            **about,
+            error=msg.error,
+            skipped_total=self.governor.counters.skipped,
+        )
+
+    # --- giving up on groups ------------------------------------------------------------------
+    def _discarded(self, gid: int, prompt_id: int, epoch: int, reason: str) -> None:
+        self.ledger.discarded(gid, reason=reason)
+        self.work.give_back(prompt_id, epoch)
+        self.outbox.publish(
+            P.EventKind.DISCARD,
+            f"group {gid} (prompt {prompt_id}) discarded and re-queued: {reason}",
+            group=gid,
+            prompt=prompt_id,
+            reason=reason,
+        )
+
+    def discard_completed(self, records: tuple[GroupRecord, ...], reason: str) -> None:
+        """Completed groups the governor discarded: ledgered and handed out again."""
+        for record in records:
+            self._discarded(record.group_id, record.prompt_id, record.epoch, reason)
+
+    def abort(self, gid: int, reason: str) -> None:
+        """The governor gave up on an in-flight group: stop it on its instance, re-queue it."""
+        for inst in self.instances.values():
+            record = inst.in_flight.get(gid)
+            if record is None:
+                continue
+            record.aborting = True
+            record.dispatched_at = self.clock()  # now: when the abort was asked for
+            self.ledger.aborted(gid, reason=reason)
+            self.work.give_back(record.prompt_id, record.epoch)
+            self.outbox.to_instance(inst.instance_id, P.AbortGroups(group_ids=[gid]))
+            self.outbox.publish(
+                P.EventKind.DISCARD,
+                f"group {gid} aborted on instance {inst.instance_id} and re-queued: {reason}",
+                group=gid,
+                instance=inst.instance_id,
+                reason=reason,
+            )
+            return
+
+    def lose_in_flight(self, inst: Instance, reason: str) -> None:
+        """Every group out on ``inst`` is gone: back to the scheduler, dispatched elsewhere."""
+        lost = list(inst.in_flight.values())
+        inst.in_flight.clear()
+        inst.running_seqs = 0
+        for record in lost:
+            if record.aborting:
+                continue
+            self.governor.cancel(record.group_id)
+            self.ledger.requeued(record.group_id, reason=f"instance {inst.instance_id}: {reason}")
+            self.work.give_back(record.prompt_id, record.epoch)
+        if lost:
+            self.outbox.publish(
+                P.EventKind.INSTANCE,
+                f"instance {inst.instance_id}: {len(lost)} group(s) re-queued ({reason})",
+                instance=inst.instance_id,
+                requeued=len(lost),
+            )
+
+    def release_paused(self, group_ids: tuple[int, ...]) -> None:
+        """Groups the trainer must have, frozen on an operator-paused instance, would stall the
+        run until resume: abort them there and regenerate them elsewhere."""
+        released = False
+        for inst in self.instances.values():
+            if not inst.operator_paused:
+                continue
+            for gid in group_ids:
+                record = inst.in_flight.get(gid)
+                if (
+                    record is not None
+                    and not record.aborting
+                    and self.governor.cancel(gid, ABORTED)
+                ):
+                    self.abort(gid, f"needed by the trainer; instance {inst.instance_id} is paused")
+                    released = True
+        if released:
+            self.dispatch()
+
+    def drop_stale_aborts(self, now: float, timeout_s: float) -> None:
+        """An abort the worker never confirmed must not hold its slots forever."""
+        for inst in self.instances.values():
+            for gid in [g for g, r in inst.in_flight.items() if r.aborting]:
+                if now - inst.in_flight[gid].dispatched_at > timeout_s:
+                    del inst.in_flight[gid]
