@@ -35,11 +35,24 @@ _TRANSITIONS: dict[str, dict[str, str]] = {
 TERMINAL = ("consumed", "discarded", "requeued", "aborted", "skipped", "abandoned")
 
 
-class Ledger:
-    """Appends ledger records, one flushed line each."""
+class MemoryRecords:
+    """A ledger kept in memory (the simulator, in-process tests): ``records`` to verify."""
 
-    def __init__(self, path: Path) -> None:
-        self._writer = JsonlWriter(path)
+    def __init__(self) -> None:
+        self.records: list[dict[str, Any]] = []
+
+    def write(self, record: dict[str, Any]) -> None:
+        self.records.append(record)
+
+    def close(self) -> None:
+        pass
+
+
+class Ledger:
+    """Appends ledger records: one flushed line each to a file, or to ``MemoryRecords``."""
+
+    def __init__(self, target: Path | MemoryRecords) -> None:
+        self._writer = JsonlWriter(target) if isinstance(target, Path) else target
 
     def _write(self, event: str, **fields: Any) -> None:
         self._writer.write({"event": event, **fields})

@@ -71,8 +71,9 @@ class TrainerSide:
         self.last_lag: dict[str, Any] = LagRecorder().stats()
         self.weights_path: dict[int, str] = {}
         self._batch: dict[str, Any] = {}
-        self._batch_bound = governor.lag_bound
-        self._batch_pending: int | None = None
+        self.batch_bound = governor.lag_bound
+        """The bound in force when the last batch was formed (its lags are within it)."""
+        self.batch_pending: int | None = None
 
     @property
     def reported_condition(self) -> str:
@@ -157,7 +158,7 @@ class TrainerSide:
         for gid in plan.aborted:
             self.dispatcher.abort(gid, reason)
         groups = self._consume(plan)
-        self._batch_bound, self._batch_pending = bound, pending
+        self.batch_bound, self.batch_pending = bound, pending
         self.outbox.to_trainer(P.Batch(version=plan.version, groups=groups))
         self.pending = None
         self.condition = "stepping"
@@ -251,8 +252,8 @@ class TrainerSide:
             "lag_max": lag["max"],
             "lag_span_max": lag["span_max"],
             "lag_histogram": lag["histogram"],
-            "lag_bound": self._batch_bound,
-            "pending_lag_bound": self._batch_pending,
+            "lag_bound": self.batch_bound,
+            "pending_lag_bound": self.batch_pending,
             "queue_depth": gov.queued,
             "in_flight": gov.in_flight,
             "iteration_s": iteration,
