@@ -144,7 +144,8 @@ class Cluster:
         completions = [
             P.Completion(
                 token_ids=np.zeros(3 + k, dtype=np.int32), logprobs=np.zeros(3 + k, np.float32),
-                version_min=started_at, version_max=self.version[i], finish_reason="stop", reward=1.0, finished_at=self.now,
+                version_min=started_at, version_max=self.version[i], finish_reason="stop",
+                reward=1.0, finished_at=self.now,
             )
             for k in range(request.n)
         ]  # fmt: skip
