@@ -289,6 +289,9 @@ class Dispatcher:
                 requeued=len(lost),
             )
 
+    def any_paused(self) -> bool:
+        return any(inst.operator_paused for inst in self.instances.values())
+
     def release_paused(self, group_ids: tuple[int, ...]) -> None:
         """Groups the trainer must have, frozen on an operator-paused instance, would stall the
         run until resume: abort them there and regenerate them elsewhere."""

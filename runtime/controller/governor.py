@@ -43,7 +43,8 @@ or requeued, or is still unconsumed.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections import Counter
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -96,8 +97,9 @@ class BatchPlan:
 
     ``condition`` is ``ready`` (``group_ids`` hold the batch, already marked consumed),
     ``starved`` (fewer than B completed groups) or ``lag_wait`` (a mandatory group is still in
-    flight). ``discarded``/``aborted`` list groups the governor gave up on (they must be
-    re-queued by the caller, and aborted ones stopped on their instance).
+    flight; ``waiting_for`` names them). ``discarded``/``aborted`` list groups the governor
+    gave up on (they must be re-queued by the caller, and aborted ones stopped on their
+    instance).
     """
 
     condition: str
@@ -105,10 +107,16 @@ class BatchPlan:
     group_ids: tuple[int, ...] = ()
     discarded: tuple[int, ...] = ()
     aborted: tuple[int, ...] = ()
-    waiting_for: tuple[int, ...] = ()
     detail: str = ""
     discarded_records: tuple[GroupRecord, ...] = ()
     """The records behind ``discarded`` (the governor lets go of them)."""
+    find_waiting: Callable[[], tuple[int, ...]] | None = field(default=None, repr=False)
+
+    @property
+    def waiting_for(self) -> tuple[int, ...]:
+        """The in-flight groups a ``lag_wait`` plan waits for (looked up when asked: most
+        plans are never asked)."""
+        return self.find_waiting() if self.find_waiting is not None else ()
 
     @property
     def ready(self) -> bool:
@@ -190,6 +198,12 @@ class LagGovernor:
         self.counters = Counters(admitted=before, completed=before, consumed=before)
         self.groups: dict[int, GroupRecord] = {}
         self._seq = 0
+        # Open groups counted by start version, all and in flight only: the questions asked
+        # after every event (how many are due, is one still out) are answered from these
+        # without walking the groups.
+        self._open_starts: Counter[int] = Counter()
+        self._flying_starts: Counter[int] = Counter()
+        self._completed = 0
 
     # --- bounds ---------------------------------------------------------------------------------
     @property
@@ -214,14 +228,36 @@ class LagGovernor:
     def _open(self) -> Iterable[GroupRecord]:
         return (g for g in self.groups.values() if g.status in _OPEN)
 
+    def _count(self, g: GroupRecord, sign: int) -> None:
+        """Add (+1) or take back (-1) an open group's share of the counts."""
+        if g.status == IN_FLIGHT:
+            _bump(self._flying_starts, g.start_version, sign)
+        elif g.status == COMPLETED:
+            self._completed += sign
+        else:
+            return
+        _bump(self._open_starts, g.start_version, sign)
+
     @property
     def in_flight(self) -> int:
-        return sum(1 for g in self.groups.values() if g.status == IN_FLIGHT)
+        return self._flying_starts.total()
 
     @property
     def queued(self) -> int:
         """Completed groups waiting for the trainer (the training queue depth)."""
-        return sum(1 for g in self.groups.values() if g.status == COMPLETED)
+        return self._completed
+
+    def _due(self, starts: Counter[int], floor: int) -> int:
+        return sum(count for start, count in starts.items() if start <= floor)
+
+    def waiting_for(self) -> tuple[int, ...]:
+        """In-flight groups the next batch must include (their lag would pass the bound)."""
+        floor = self.version - self._bound
+        return tuple(
+            g.group_id
+            for g in self.groups.values()
+            if g.status == IN_FLIGHT and g.start_version <= floor
+        )
 
     @property
     def admitted_live(self) -> int:
@@ -285,6 +321,7 @@ class LagGovernor:
             raise ValueError(f"group {group_id} may not be admitted: {reason}")
         record = GroupRecord(group_id, prompt_id, start_version, instance_id, epoch, at)
         self.groups[group_id] = record
+        self._count(record, +1)
         self.counters.admitted += 1
         return record
 
@@ -298,10 +335,12 @@ class LagGovernor:
         if g is None or g.status != IN_FLIGHT:
             return "ignored"
         self._seq += 1
+        self._count(g, -1)
         g.completed_seq = self._seq
         g.version_min, g.version_max = version_min, version_max
         g.start_version = min(g.start_version, version_min)
         g.status = COMPLETED
+        self._count(g, +1)
         g.result = result
         self.counters.completed += 1
         if self.next_consume_version - g.start_version > self._bound:
@@ -325,7 +364,9 @@ class LagGovernor:
         return True
 
     def _set(self, g: GroupRecord, status: str) -> None:
+        self._count(g, -1)
         g.status = status
+        self._count(g, +1)
         if status == DISCARDED:
             g.result = None
             self.counters.discarded += 1
@@ -355,39 +396,41 @@ class LagGovernor:
         if self.outstanding:
             raise RuntimeError(f"a batch for v{self.version} is already out")
         s, eta, b = self.version, self._bound, self.batch_groups
-        # This runs after every message: count first, and sort only what a batch takes.
-        open_groups = list(self._open())
-        mandatory = [g for g in open_groups if g.start_version <= s - eta]
-        waiting = tuple(g.group_id for g in mandatory if g.status == IN_FLIGHT)
+        # This runs after every event: answer from the counts unless a batch can form.
+        due = self._due(self._open_starts, s - eta)
+        if due <= b:
+            flying = self._due(self._flying_starts, s - eta)
+            if flying:
+                return BatchPlan(
+                    "lag_wait",
+                    s,
+                    detail=f"waiting for {flying} group(s) that would exceed lag bound {eta}",
+                    find_waiting=self.waiting_for,
+                )
+            if self._completed < b:
+                return BatchPlan("starved", s, detail=f"{self._completed} of {b} groups ready")
         discard: list[GroupRecord] = []
         abort: list[GroupRecord] = []
-        if len(mandatory) > b:
-            mandatory.sort(key=_oldest_first)
+        if due > b:
+            # More are due than one batch holds: the B oldest completed ones, once B are.
+            mandatory = sorted(
+                (g for g in self._open() if g.start_version <= s - eta), key=_oldest_first
+            )
             done = [g for g in mandatory if g.status == COMPLETED]
             if len(done) < b:
                 return BatchPlan(
                     "lag_wait",
                     s,
-                    waiting_for=waiting,
                     detail=f"{len(mandatory)} groups must be consumed at v{s}; {len(done)} done",
+                    find_waiting=self.waiting_for,
                 )
             batch = done[:b]
             chosen = {g.group_id for g in batch}
             for g in mandatory:
-                if g.group_id in chosen:
-                    continue
-                (discard if g.status == COMPLETED else abort).append(g)
-        elif waiting:
-            return BatchPlan(
-                "lag_wait",
-                s,
-                waiting_for=waiting,
-                detail=f"waiting for {len(waiting)} group(s) that would exceed lag bound {eta}",
-            )
+                if g.group_id not in chosen:
+                    (discard if g.status == COMPLETED else abort).append(g)
         else:
-            completed = [g for g in open_groups if g.status == COMPLETED]
-            if len(completed) < b:
-                return BatchPlan("starved", s, detail=f"{len(completed)} of {b} groups ready")
+            completed = (g for g in self.groups.values() if g.status == COMPLETED)
             batch = sorted(completed, key=_oldest_first)[:b]
         plan = BatchPlan(
             "ready",
@@ -473,7 +516,7 @@ class LagGovernor:
         if self._pending is None:
             return False
         floor = self.next_consume_version - self._pending
-        if any(g.start_version < floor for g in self._open()):
+        if self._open_starts and min(self._open_starts) < floor:
             return False
         self._bound, self._pending = self._pending, None
         return True
@@ -509,3 +552,9 @@ class LagRecorder:
             "span_max": int(max(self.spans)),
             "histogram": hist,
         }
+
+
+def _bump(counter: Counter[int], key: int, sign: int) -> None:
+    counter[key] += sign
+    if not counter[key]:
+        del counter[key]

@@ -150,7 +150,7 @@ class TrainerSide:
         plan = gov.take_batch()
         if not plan.ready:
             self.condition = plan.condition
-            if plan.condition == "lag_wait":
+            if plan.condition == "lag_wait" and self.dispatcher.any_paused():
                 self.dispatcher.release_paused(plan.waiting_for)
             return
         reason = f"more than B groups due at v{plan.version}"
