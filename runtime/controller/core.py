@@ -55,6 +55,7 @@ class ControllerCore:
         next_group_id: int = 0,
         supervises: bool = True,
         plan_inline: bool = False,
+        single_epoch: bool = False,
         locate_weights: Callable[[int], str] | None = None,
     ) -> None:
         self.config = config
@@ -90,6 +91,7 @@ class ControllerCore:
             consumed=st.consumed_prompts,
             next_group_id=max(st.next_group_id, next_group_id),
             request_plan=None if plan_inline else self._request_plan,
+            single_epoch=single_epoch,
         )
         self.dispatcher = Dispatcher(
             config,
@@ -131,13 +133,14 @@ class ControllerCore:
         self._seen_pending: int | None = None
 
     # --- the one entry point ------------------------------------------------------------------
-    def start(self) -> list[A.Action]:
-        """Plan the current epoch (blocking) and start serving."""
-        skip = self.work.consumed_prompts
-        plan = self.work.plan(
-            self.work.epoch, self.dispatcher.instance_specs(), self.governor.admission_bound, skip
-        )
-        self.dispatcher.install_epoch(plan, plan.make())
+    def start(self, first: tuple[EpochPlan, Any] | None = None) -> list[A.Action]:
+        """Plan the current epoch (blocking; ``first``: a plan made already) and start."""
+        if first is None:
+            skip = self.work.consumed_prompts
+            specs = self.dispatcher.instance_specs()
+            plan = self.work.plan(self.work.epoch, specs, self.governor.admission_bound, skip)
+            first = (plan, plan.make())
+        self.dispatcher.install_epoch(*first)
         self.ledger.controller_start(
             version=self.governor.version, epoch=self.work.epoch, resumed=self.resumed
         )
@@ -147,6 +150,18 @@ class ControllerCore:
 
     def handle(self, event: A.Event) -> list[A.Action]:
         """Apply one event; the actions it calls for, in order."""
+        self._apply(event)
+        self._after_change()
+        return self.outbox.take()
+
+    def handle_all(self, events: list[A.Event]) -> list[A.Action]:
+        """Apply events that happened at the same moment, then decide once."""
+        for event in events:
+            self._apply(event)
+        self._after_change()
+        return self.outbox.take()
+
+    def _apply(self, event: A.Event) -> None:
         if isinstance(event, A.InstanceMessage):
             self._on_instance(event.instance_id, event.message)
         elif isinstance(event, A.TrainerMessage):
@@ -172,8 +187,6 @@ class ControllerCore:
             self._on_planned(event)
         elif isinstance(event, A.StartFinalEval):
             self.evaluator.start(self.governor.version, final=True)
-        self._after_change()
-        return self.outbox.take()
 
     def _after_change(self) -> None:
         """After every event: feed the instances, then the trainer, then account."""

@@ -387,15 +387,18 @@ class LagGovernor:
         """What the trainer would get now, without changing anything."""
         return self._plan(commit=False)
 
-    def take_batch(self) -> BatchPlan:
+    def take_batch(self, *, last: bool = False) -> BatchPlan:
         """Form the batch for the step at the current version; a ready plan marks its groups
-        consumed (and its discards/aborts done) and the batch outstanding."""
-        return self._plan(commit=True)
+        consumed (and its discards/aborts done) and the batch outstanding. ``last``: no more
+        groups will be admitted, so once none is in flight the queue is a batch, even short."""
+        return self._plan(commit=True, last=last)
 
-    def _plan(self, commit: bool) -> BatchPlan:
+    def _plan(self, commit: bool, last: bool = False) -> BatchPlan:
         if self.outstanding:
             raise RuntimeError(f"a batch for v{self.version} is already out")
         s, eta, b = self.version, self._bound, self.batch_groups
+        if last and self._completed and not self._flying_starts:
+            b = min(b, self._completed)
         # This runs after every event: answer from the counts unless a batch can form.
         due = self._due(self._open_starts, s - eta)
         if due <= b:

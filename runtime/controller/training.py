@@ -147,7 +147,7 @@ class TrainerSide:
             return
         # The bound in force while this batch is formed (a pending bound may apply right after).
         bound, pending = gov.lag_bound, gov.pending_lag_bound
-        plan = gov.take_batch()
+        plan = gov.take_batch(last=self.work.done())
         if not plan.ready:
             self.condition = plan.condition
             if plan.condition == "lag_wait" and self.dispatcher.any_paused():

@@ -143,6 +143,7 @@ class WorkQueue:
         consumed: Iterable[int],
         next_group_id: int,
         request_plan: Callable[[EpochPlan], None] | None,
+        single_epoch: bool = False,
     ) -> None:
         self.config = config
         self.n = config.rollout.sampling.n
@@ -156,6 +157,8 @@ class WorkQueue:
         self.retry: deque[tuple[int, int]] = deque()
         # ``request_plan`` builds the next epoch off the loop (None: plan inline, blocking).
         self._request_plan = request_plan
+        self.single_epoch = single_epoch
+        """One epoch and no more (the simulator): once it is handed out, the work is done."""
         self.planning = False
         self._planned: tuple[EpochPlan, Any] | None = None
         self._predicted_mean: dict[int, float] = {}
@@ -217,9 +220,15 @@ class WorkQueue:
     def exhausted(self) -> bool:
         return self.scheduler is not None and self.scheduler.remaining() == 0 and not self.retry
 
+    def done(self) -> bool:
+        """No prompt will be handed out again (a single epoch, all of it handed out)."""
+        return self.single_epoch and self.exhausted()
+
     def request_next(self, specs: list[Any], bound: int) -> tuple[EpochPlan, Any] | None:
         """The epoch is handed out: the next one if it can be had now (inline planning), else
         None while it is being planned off the loop."""
+        if self.single_epoch:
+            return None
         plan = self.plan(self.epoch + 1, specs, bound, None)
         if self._request_plan is None:
             return plan, plan.make()
@@ -262,7 +271,8 @@ class WorkQueue:
             predicted = self._predicted_mean.get(prompt_id)
             if predicted is not None:
                 self.observed_pairs.append((predicted, float(np.mean(lengths))))
-        self.lengths.observe(prompt_id, lengths)
+        if self.lengths is not None:
+            self.lengths.observe(prompt_id, lengths)
 
     def consumed(self, prompt_id: int, epoch: int) -> None:
         """Not to be handed out again this epoch (consumed, or skipped for a failed reward)."""

@@ -1,25 +1,23 @@
-"""Discrete-event simulator of a multi-instance asynchronous RL cluster.
+"""The simulator: a plan scored by the rules the live run enforces.
 
-N rollout instances do continuous batching under the cost model (``decode_step_s`` per step,
-``prefill_s`` when groups arrive, ``max_num_seqs`` slots), a training queue collects finished
-groups, and a trainer takes B groups per step (``trainer_step_s``). The lag bound η is enforced by
-admission control exactly as DESIGN.md section 4 says: a group is dispatched at version v only
-while admitted < (v + η + 1)·B, and the trainer may not take step v + η + 1 before every group
-started at v has been consumed. η = 0 is therefore synchronous.
+:class:`SimRun` drives the live controller's core (:class:`~runtime.controller.core.ControllerCore`:
+the same dispatch, lag governor, batch forming, weight syncs and bubble accounting) with one
+simulated vLLM instance per rollout instance (:class:`~runtime.sim.instance.InstanceModel`, the
+model the ``sim`` backend runs too: continuous batching under the cost model, prefill stalls,
+``max_num_seqs`` slots) and a simulated trainer (:class:`~runtime.sim.trainer.TrainerModel`,
+``trainer_step_s`` per batch), on one simulated clock. Any plan (a ``Scheduler``) runs against
+*actual* lengths, which may differ from the predicted ones.
 
-Any plan (a ``Scheduler``) runs against *actual* lengths, which may differ from the predicted
-ones.
+The lag rule is the governor's (``runtime/controller/governor.py``): a group is admitted at
+version v only while admitted < (v + η + 1)·B, and the step at version s waits until every group
+started at a version <= s - η is in, oldest first, so no consumed group has lag > η; η = 0 is
+synchronous. After each step every instance loads the new weights in ``keep`` mode: its running
+samples freeze for ``weight_sync_s``. The last batch may be short when the groups do not divide
+into B.
 
-On the lag rule: read literally, "step v + η + 1 waits for every group started at v" still lets a
-group started at v be consumed by step v + η + 1, i.e. with lag η + 1. The engine enforces the
-bound itself: step s waits until every group started at a version <= s - η has finished, and the
-batch takes the oldest groups first, so no consumed group has lag > η (admission guarantees that
-they fit in one batch).
-
-Events are sequence finishes (an instance's running set only changes then, so the time of
-k steps has a closed form), trainer step ends and stalls (prefill, weight sync); a run with 100k
-samples takes about a second. Bubbles are integrated by ``runtime.bubbles.BubbleAccountant``,
-the same class the live controller uses.
+Events are the models' own (a sequence finishing: the running set only changes then, so k
+decode steps have a closed form; a prefill or a load ending) and the trainer's step ends.
+Bubbles are integrated by the core's ``runtime.bubbles.BubbleAccountant``.
 """
 
 from __future__ import annotations
@@ -32,12 +30,20 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.bubbles import Breakdown, BubbleAccountant, excess_sorting, free_slot_cause
+from runtime.bubbles import Breakdown, excess_sorting
+from runtime.config import Config, validate_config
+from runtime.controller import actions as A
+from runtime.controller.core import ControllerCore
+from runtime.controller.ledger import Ledger
+from runtime.controller.work import EpochPlan, TaskData
+from runtime.protocol import Batch, BatchRequest, TrainerHello
 from runtime.scheduler.base import GroupSpec, InstanceSpec, Scheduler
 from runtime.scheduler.cost_model import CostModel
 from runtime.scheduler.policies import make_scheduler
+from runtime.sim.instance import InstanceModel, TableOutputs
+from runtime.sim.trainer import TrainerModel
 
-_FINISH, _STALL, _TRAIN = 0, 1, 2
+_MODEL, _TRAIN = 0, 1
 
 
 @dataclass
@@ -90,35 +96,6 @@ class SimResult:
             "lag_histogram": {str(k): v for k, v in sorted(self.lag_histogram.items())},
             **self.extra,
         }
-
-
-class _Inst:
-    __slots__ = (
-        "cap",
-        "ctx",
-        "finish",
-        "id",
-        "reserved",
-        "running",
-        "stall_until",
-        "state",
-        "step",
-        "t",
-        "token",
-    )
-
-    def __init__(self, iid: int, cap: int) -> None:
-        self.id = iid
-        self.cap = cap
-        self.running = 0  # sequences decoding
-        self.reserved = 0  # sequences dispatched (decoding or in prefill)
-        self.ctx = 0.0  # total context of decoding sequences at the current step
-        self.step = 0
-        self.t = 0.0
-        self.stall_until = 0.0
-        self.finish: list[tuple[int, int, int]] = []  # (finish step, final context, group)
-        self.token = 0
-        self.state = "running"
 
 
 def lower_bound(
@@ -177,308 +154,274 @@ def simulate(
     dispatch: str = "continuous",
     sorting_baseline: float | None = None,
 ) -> SimResult:
-    """Run ``scheduler``'s plan against ``actual`` lengths (prompt_id -> the n output lengths)."""
+    """Run ``scheduler``'s plan against ``actual`` lengths (prompt_id -> the n output lengths):
+    the live controller's core, simulated instances and a simulated trainer (:class:`SimRun`)."""
     cost = cost_model or CostModel()
     if dispatch not in ("continuous", "minibatch"):
         raise ValueError(f"dispatch: {dispatch!r} is not one of continuous, minibatch")
-    B, eta = batch_groups, lag_bound
-    ids = [g.prompt_id for g in groups]
-    gidx = {p: k for k, p in enumerate(ids)}
-    missing = [p for p in ids if p not in actual]
-    if missing:
-        raise ValueError(f"actual: no lengths for prompt_id {missing[0]}")
-    lens = [np.asarray(actual[p], dtype=np.int64) for p in ids]
-    if any(x.size == 0 for x in lens):
-        raise ValueError("actual: every group needs at least one length")
-    ptok = [int((prompt_tokens or {}).get(p, 0)) for p in ids]
-    G = len(ids)
-    n_max = max(x.size for x in lens)
-    inst = {s.instance_id: _Inst(s.instance_id, s.max_num_seqs) for s in instances}
-    acct = BubbleAccountant({s.instance_id: s.max_num_seqs for s in instances}, 0.0)
+    for g in groups:
+        if g.prompt_id not in actual:
+            raise ValueError(f"actual: no lengths for prompt_id {g.prompt_id}")
+        if not len(actual[g.prompt_id]):
+            raise ValueError("actual: every group needs at least one length")
+    ptok = {g.prompt_id: int((prompt_tokens or {}).get(g.prompt_id, 0)) for g in groups}
+    run = SimRun(
+        scheduler,
+        groups,
+        actual,
+        ptok,
+        instances,
+        cost,
+        batch_groups=batch_groups,
+        lag_bound=lag_bound,
+        dispatch=dispatch,
+    )
+    run.run()
+    return run.result(sorting_baseline)
 
-    events: list[tuple[float, int, int, int, int]] = []
-    seq = 0
 
-    def push(t: float, kind: int, who: int, token: int) -> None:
-        nonlocal seq
-        seq += 1
-        heapq.heappush(events, (t, seq, kind, who, token))
+class _Clock:
+    """The simulated clock the core reads."""
 
-    version = 0
-    admitted = 0
-    consumed = 0
-    start_version = np.full(G, -1, dtype=np.int64)
-    left = np.zeros(G, dtype=np.int64)
-    inflight_by_v: Counter[int] = Counter()
-    queue: list[tuple[int, int, int]] = []  # heap of (start version, finish order, group)
-    finish_order = 0
-    trainer_busy = False
-    trainer_cond = "idle"
-    step_ends: list[float] = []
-    queue_tl: list[tuple[float, int]] = [(0.0, 0)]
-    lag_hist: Counter[int] = Counter()
-    running_total = 0
-    inst_finish = {i: 0.0 for i in inst}
+    def __init__(self) -> None:
+        self.now = 0.0
 
-    def admission_open() -> bool:
-        return admitted < (version + eta + 1) * B
+    def __call__(self) -> float:
+        return self.now
 
-    def cause_of(x: _Inst) -> str:
-        pend = scheduler.pending(x.id)
-        return free_slot_cause(
-            state=x.state,
-            pending=pend,
-            running=x.reserved,
-            admission_open=admission_open(),
-            work_elsewhere=(running_total - x.reserved) > 0 or scheduler.remaining() - pend > 0,
-            trainer_condition=trainer_cond,
+
+class _ConsumedLags:
+    """A ledger that keeps only what the result needs: the lag of every consumed group."""
+
+    def __init__(self) -> None:
+        self.histogram: Counter[int] = Counter()
+
+    def write(self, record: dict) -> None:
+        if record["event"] == "consumed":
+            self.histogram[record["lag"]] += 1
+
+    def close(self) -> None:
+        pass
+
+
+class SimRun:
+    """One simulated run: the :class:`~runtime.controller.core.ControllerCore` the live run uses,
+    an :class:`~runtime.sim.instance.InstanceModel` per instance and a
+    :class:`~runtime.sim.trainer.TrainerModel`, on one simulated clock. Events are the models'
+    own (a sequence finishing, a load ending) and the trainer's step ends, taken in time
+    order from one heap."""
+
+    def __init__(
+        self,
+        scheduler: Scheduler,
+        groups: Sequence[GroupSpec],
+        actual: Mapping[int, Sequence[int]],
+        prompt_tokens: Mapping[int, int],
+        instances: Sequence[InstanceSpec],
+        cost: CostModel,
+        *,
+        batch_groups: int,
+        lag_bound: int,
+        dispatch: str,
+    ) -> None:
+        self.groups = groups
+        self.instances = instances
+        self.cost = cost
+        self.batch_groups = batch_groups
+        self.lag_bound = lag_bound
+        self.n = max(len(actual[g.prompt_id]) for g in groups) if groups else 1
+        self.lengths = [np.asarray(actual[g.prompt_id], dtype=np.int64) for g in groups]
+        self.prompt_tokens = [prompt_tokens[g.prompt_id] for g in groups]
+        self.clock = _Clock()
+        self.lags = _ConsumedLags()
+        config = _sim_config(instances, self.n, batch_groups, len(groups), lag_bound, dispatch)
+        task = _sim_task(groups, prompt_tokens)
+        self.core = ControllerCore(
+            config,
+            task,
+            clock=self.clock,
+            ledger=Ledger(self.lags),  # type: ignore[arg-type]
+            supervises=False,
+            plan_inline=True,
+            single_epoch=True,
+        )
+        outputs = TableOutputs(actual, prompt_tokens, payload="light", reward=None)
+        self.models = {s.instance_id: InstanceModel(s.instance_id, s.max_num_seqs, cost, outputs) for s in instances}
+        self.trainer = TrainerModel(cost, config.trainer.loss)
+        self.first = (EpochPlan(0, list(groups), lag_bound, lambda: scheduler), scheduler)
+        self._events: list[tuple[float, int, int, int]] = []
+        self._seq = 0
+        self._due: dict[int, float] = {}
+        self.step_ends: list[float] = []
+        self.queue_timeline: list[tuple[float, int]] = [(0.0, 0)]
+        self.stopped = False
+
+    # --- the loop -----------------------------------------------------------------------------
+    def run(self) -> None:
+        self._route(self.core.start(self.first))
+        hellos: list[A.Event] = []
+        for i, model in self.models.items():
+            model.start(0.0)
+            hellos.append(A.InstanceMessage(i, model.hello()))
+        hellos.append(A.TrainerMessage(TrainerHello(num_processes=1, weight_version=0, pid=0)))
+        hellos.append(A.TrainerMessage(BatchRequest(version=0)))
+        self._route(self.core.handle_all(hellos))
+        while self._events and not self.stopped:
+            now, _, kind, who = heapq.heappop(self._events)
+            if kind == _MODEL and self._due.get(who) != now:
+                continue  # superseded: the model was rescheduled since
+            self.clock.now = now
+            if kind == _MODEL:
+                del self._due[who]
+                model = self.models[who]
+                model.advance(now)
+                self._feed_outputs([who])
+            else:
+                self._step_done()
+        if self.core.governor.counters.consumed < len(self.groups):
+            consumed = self.core.governor.counters.consumed
+            raise RuntimeError(f"simulation stalled: {consumed} of {len(self.groups)} groups consumed")
+
+    def _push(self, at: float, kind: int, who: int) -> None:
+        self._seq += 1
+        heapq.heappush(self._events, (at, self._seq, kind, who))
+
+    def _feed_outputs(self, touched: list[int]) -> None:
+        """What the touched models produced, and a heartbeat from each, into the core; repeat
+        while the core's answer makes a model say more (an ack, an abort)."""
+        now = self.clock.now
+        while touched:
+            events: list[A.Event] = []
+            for i in touched:
+                model = self.models[i]
+                events += [A.InstanceMessage(i, m) for m in model.take_output()]
+                events.append(A.InstanceMessage(i, model.heartbeat(now)))
+            touched = self._route(self.core.handle_all(events))
+            queued = self.core.governor.queued
+            if queued != self.queue_timeline[-1][1]:
+                self.queue_timeline.append((now, queued))
+
+    def _route(self, actions: list[A.Action]) -> list[int]:
+        """Carry out the core's actions; the models that were sent something."""
+        now = self.clock.now
+        touched: dict[int, None] = {}
+        for action in actions:
+            if isinstance(action, A.SendToInstance):
+                model = self.models[action.instance_id]
+                model.advance(now)
+                model.handle(action.message, now)
+                touched[action.instance_id] = None
+            elif isinstance(action, A.SendToTrainer) and isinstance(action.message, Batch):
+                metrics, seconds = self.trainer.step(action.message)
+                self._pending_step = metrics
+                self._push(now + seconds, _TRAIN, -1)
+            elif isinstance(action, A.StopRequested):
+                self.stopped = True
+        for i in touched:
+            due = self.models[i].next_event(now)
+            if due != self._due.get(i) and due < math.inf:
+                self._due[i] = due
+                self._push(due, _MODEL, i)
+            elif due == math.inf:
+                self._due.pop(i, None)
+        return [i for i in touched if self.models[i].has_output()]
+
+    def _step_done(self) -> None:
+        done = self.trainer.step_done(self._pending_step)
+        self.step_ends.append(self.clock.now)
+        events: list[A.Event] = [
+            A.TrainerMessage(done),
+            A.TrainerMessage(BatchRequest(version=done.version)),
+        ]
+        touched = self._route(self.core.handle_all(events))
+        self._feed_outputs(touched)
+
+    # --- the result ---------------------------------------------------------------------------
+    def result(self, sorting_baseline: float | None) -> SimResult:
+        end = self.step_ends[-1] if self.step_ends else self.clock.now
+        accountant = self.core.accounting.accountant
+        accountant.trainer_update(end, "idle")
+        bd = accountant.total(end)
+        raw_sorting = float(bd.fractions["sorting"])
+        if sorting_baseline is not None:
+            bd.fractions = excess_sorting(bd.fractions, sorting_baseline)
+            bd.sorting_baseline = sorting_baseline
+        ends = np.asarray(self.step_ends)
+        durs = np.diff(np.concatenate([[0.0], ends]))
+        g, b = len(self.groups), self.batch_groups
+        full = g // b
+        # Steady state: every full step but step 0, which includes filling the pipeline.
+        steady = durs[1:full] if full > 1 else durs
+        lb_step, lb_span = lower_bound(
+            self.lengths, self.prompt_tokens, self.instances, self.cost, b, self.lag_bound
+        )
+        steps = len(self.step_ends)
+        return SimResult(
+            policy=self.first[1].name,
+            iteration_s=float(end) / max(1, steps),
+            steady_iteration_s=float(steady.mean()) if steady.size else 0.0,
+            iteration_times=durs,
+            step_end_times=ends,
+            makespan_s=float(end),
+            lower_bound_s=lb_span / max(1, steps),
+            steady_lower_bound_s=lb_step,
+            makespan_lower_bound_s=lb_span,
+            breakdown=bd,
+            queue_timeline=np.asarray(self.queue_timeline, dtype=float),
+            lag_histogram=dict(self.lags.histogram),
+            steps=steps,
+            groups=g,
+            tokens=int(sum(int(x.sum()) for x in self.lengths)),
+            extra={"raw_sorting": raw_sorting},
         )
 
-    def account(x: _Inst, now: float) -> None:
-        acct.update(x.id, now, active=x.reserved, cause=cause_of(x))
 
-    def account_all(now: float) -> None:
-        for x in inst.values():
-            account(x, now)
+def _sim_config(
+    instances: Sequence[InstanceSpec],
+    n: int,
+    batch_groups: int,
+    groups: int,
+    lag_bound: int,
+    dispatch: str,
+) -> Config:
+    """The run config a simulated run stands for: its instances, B, η, dispatch; weights
+    loaded in ``keep`` mode (in-flight samples freeze for ``weight_sync_s``), no output cap."""
+    return validate_config(
+        {
+            "run": {"name": "simulate"},
+            "model": {"path": "sim"},
+            "task": {"name": "sim"},
+            "rollout": {
+                "backend": "sim",
+                "instances": [{"max_num_seqs": s.max_num_seqs} for s in instances],
+                "sampling": {"n": n, "max_tokens": 1 << 30},
+            },
+            "scheduler": {"dispatch": dispatch},
+            "trainer": {
+                "backend": "sim",
+                "batch_groups": batch_groups,
+                "steps": max(1, -(-groups // batch_groups)),
+            },
+            "async": {
+                "lag_bound": lag_bound,
+                "max_lag_bound": max(16, lag_bound),
+                "update_mode": "keep",
+            },
+        },
+        source="simulate",
+    )
 
-    def advance_to(x: _Inst, now: float) -> None:
-        """Complete the whole decode steps that fit before ``now`` (a partial step restarts)."""
-        t0 = max(x.t, x.stall_until)
-        if x.running == 0 or now <= t0:
-            x.t = max(x.t, now) if x.running == 0 else x.t
-            return
-        dt = now - t0
-        d0 = cost.decode_step_s(x.running, x.ctx)
-        qa = cost.step_per_ctx_token_s * x.running / 2
-        if qa > 0:
-            qb = d0 - qa
-            k = int((-qb + math.sqrt(qb * qb + 4 * qa * dt)) / (2 * qa))
-        else:
-            k = int(dt / d0)
-        k = max(0, min(k, x.finish[0][0] - x.step - 1 if x.finish else k))
-        x.ctx += x.running * k
-        x.step += k
-        x.t = now
 
-    def schedule(x: _Inst) -> None:
-        x.token += 1
-        if pending_join[x.id] and x.stall_until > x.t:
-            # Prefill (or a sync) in progress: nothing decodes until it ends; then the new
-            # sequences join and the next finish is scheduled.
-            push(x.stall_until, _STALL, x.id, x.token)
-            return
-        if x.running == 0 or not x.finish:
-            if x.stall_until > x.t:
-                push(x.stall_until, _STALL, x.id, x.token)
-            return
-        k = x.finish[0][0] - x.step
-        t = max(x.t, x.stall_until) + cost.decode_steps_s(k, x.running, x.ctx)
-        push(t, _FINISH, x.id, x.token)
-
-    pending_join: dict[int, list[tuple[int, int, int]]] = {i: [] for i in inst}
-
-    def join(x: _Inst) -> None:
-        """Sequences whose prefill is done start decoding at the instance's current step."""
-        nonlocal running_total
-        for ln, p, gk in pending_join[x.id]:
-            heapq.heappush(x.finish, (x.step + ln, p + ln, gk))
-            x.running += 1
-            x.ctx += p
-        pending_join[x.id].clear()
-
-    def try_dispatch(x: _Inst, now: float) -> bool:
-        nonlocal admitted, running_total
-        if x.state != "running":
-            return False
-        free = x.cap - x.reserved
-        if dispatch == "minibatch" and x.reserved > 0:
-            return False
-        # Continuous: ask again until the slots, the admission window or the plan run out (a
-        # call never crosses a minibatch boundary). Minibatch: one minibatch per barrier.
-        got: list[int] = []
-        while True:
-            slots = (version + eta + 1) * B - admitted - len(got)
-            mg = min(free // n_max, slots)
-            if mg <= 0:
-                break
-            more = scheduler.next_groups(x.id, mg)
-            if not more:
-                break
-            got.extend(more)
-            free -= sum(int(lens[gidx[p]].size) for p in more)
-            if dispatch == "minibatch":
-                break
-        if not got:
-            return False
-        advance_to(x, now)
-        ptot = 0
-        for p in got:
-            gk = gidx[p]
-            admitted += 1
-            start_version[gk] = version
-            inflight_by_v[version] += 1
-            left[gk] = lens[gk].size
-            for ln in lens[gk]:
-                pending_join[x.id].append((int(max(1, ln)), ptok[gk], gk))
-            x.reserved += int(lens[gk].size)
-            running_total += int(lens[gk].size)
-            ptot += ptok[gk]
-        stall = cost.prefill_s(ptot)
-        x.stall_until = max(now, x.stall_until) + stall
-        if stall <= 0:
-            join(x)
-        schedule(x)
-        return True
-
-    def dispatch_all(now: float) -> None:
-        was_open = admission_open()
-        for x in inst.values():
-            try_dispatch(x, now)
-        if was_open != admission_open():
-            account_all(now)
-
-    def oldest_inflight() -> int | None:
-        return min((v for v, c in inflight_by_v.items() if c > 0), default=None)
-
-    def trainer_try(now: float) -> None:
-        nonlocal trainer_busy, trainer_cond, version, consumed
-        if trainer_busy:
-            return
-        more_coming = consumed + len(queue) < G
-        old = oldest_inflight()
-        lag_block = old is not None and old <= version - eta
-        if len(queue) >= B or (not more_coming and queue):
-            if lag_block:
-                cond = "lag_wait"
-            else:
-                take = [heapq.heappop(queue) for _ in range(min(B, len(queue)))]
-                tokens = 0.0
-                for sv, _, gk in take:
-                    lag_hist[version - int(sv)] += 1
-                    tokens += float(lens[gk].sum() + lens[gk].size * ptok[gk])
-                consumed += len(take)
-                queue_tl.append((now, len(queue)))
-                trainer_busy = True
-                push(now + cost.trainer_step_s(tokens), _TRAIN, -1, 0)
-                cond = "stepping"
-        else:
-            cond = "starved" if more_coming else "idle"
-        if cond != trainer_cond:
-            trainer_cond = cond
-            acct.trainer_update(now, cond)
-            account_all(now)
-
-    for x in inst.values():
-        account(x, 0.0)
-    acct.trainer_update(0.0, "starved")
-    trainer_cond = "starved"
-    dispatch_all(0.0)
-    account_all(0.0)
-    now = 0.0
-    while events:
-        now, _, kind, who, token = heapq.heappop(events)
-        if kind == _TRAIN:
-            trainer_busy = False
-            version += 1
-            step_ends.append(now)
-            if cost.weight_sync_s > 0 and consumed < G:
-                for x in inst.values():
-                    advance_to(x, now)
-                    x.stall_until = max(x.stall_until, now) + cost.weight_sync_s
-                    x.state = "syncing"
-                    schedule(x)
-                    push(x.stall_until, _STALL, x.id, -1)  # end of sync, never stale
-            trainer_cond = "idle"  # forces an accounting refresh in trainer_try
-            acct.trainer_update(now, "idle")
-            dispatch_all(now)
-            trainer_try(now)
-            account_all(now)
-            continue
-        x = inst[who]
-        if kind == _STALL:
-            if token == -1:
-                if x.state == "syncing" and now >= x.stall_until - 1e-12:
-                    x.state = "running"
-                    try_dispatch(x, now)
-                    account(x, now)
-                continue
-            if token != x.token:
-                continue
-            x.t = max(x.t, now)
-            join(x)
-            schedule(x)
-            continue
-        if token != x.token:
-            continue
-        # A sequence finish: advance to its step, retire every sequence ending there.
-        k = x.finish[0][0] - x.step
-        x.ctx += x.running * k
-        x.step += k
-        x.t = now
-        done_groups = []
-        while x.finish and x.finish[0][0] == x.step:
-            _, fctx, gk = heapq.heappop(x.finish)
-            x.running -= 1
-            x.reserved -= 1
-            running_total -= 1
-            x.ctx -= fctx
-            left[gk] -= 1
-            if left[gk] == 0:
-                done_groups.append(gk)
-        if x.running == 0:
-            x.ctx = 0.0
-        if x.stall_until > now and pending_join[x.id]:
-            pass  # prefill still running; its sequences join at the stall end
-        else:
-            join(x)
-        for gk in done_groups:
-            inflight_by_v[int(start_version[gk])] -= 1
-            finish_order += 1
-            heapq.heappush(queue, (int(start_version[gk]), finish_order, gk))
-            scheduler.on_group_finished(ids[gk], x.id, lens[gk].tolist())
-        if done_groups:
-            queue_tl.append((now, len(queue)))
-        if x.reserved == 0:
-            inst_finish[x.id] = now
-        was_open = admission_open()
-        try_dispatch(x, now)
-        schedule(x)
-        account(x, now)
-        if done_groups:
-            trainer_try(now)
-        if was_open != admission_open() or x.reserved == 0:
-            account_all(now)
-    end = step_ends[-1] if step_ends else now
-    if consumed < G:
-        raise RuntimeError(f"simulation stalled: {consumed} of {G} groups consumed")
-    acct.trainer_update(end, "idle")
-    bd = acct.total(end)
-    if sorting_baseline is not None:
-        bd.fractions = excess_sorting(bd.fractions, sorting_baseline)
-        bd.sorting_baseline = sorting_baseline
-    ends = np.asarray(step_ends)
-    durs = np.diff(np.concatenate([[0.0], ends]))
-    full = G // B
-    # Steady state: every full step but step 0, which includes filling the pipeline.
-    steady = durs[1:full] if full > 1 else durs
-    lb_step, lb_span = lower_bound(lens, ptok, instances, cost, B, eta)
-    return SimResult(
-        policy=scheduler.name,
-        iteration_s=float(end) / max(1, len(step_ends)),
-        steady_iteration_s=float(steady.mean()) if steady.size else 0.0,
-        iteration_times=durs,
-        step_end_times=ends,
-        makespan_s=float(end),
-        lower_bound_s=lb_span / max(1, len(step_ends)),
-        steady_lower_bound_s=lb_step,
-        makespan_lower_bound_s=lb_span,
-        breakdown=bd,
-        queue_timeline=np.asarray(queue_tl, dtype=float),
-        lag_histogram=dict(lag_hist),
-        steps=len(step_ends),
-        groups=G,
-        tokens=int(sum(int(x.sum()) for x in lens)),
-        extra={"raw_sorting": float(acct.total(end).fractions["sorting"])},
+def _sim_task(groups: Sequence[GroupSpec], prompt_tokens: Mapping[int, int]) -> TaskData:
+    """Prompts with stand-in token ids of their length (views of one buffer: no model)."""
+    longest = max(prompt_tokens.values(), default=0)
+    buffer = np.zeros(longest, dtype=np.int32)
+    tokens = {g.prompt_id: buffer[: prompt_tokens[g.prompt_id]] for g in groups}
+    return TaskData(
+        prompts={g.prompt_id: g for g in groups},
+        prompt_tokens=tokens,
+        model_path="sim",
+        lengths=None,
     )
 
 
