@@ -286,6 +286,8 @@ def test_timestamps_come_from_the_injected_stamp() -> None:
     instance.handle(generate(0, 0, 1), 0.0)
     (group,) = done(drive(instance)).values()
     assert (group.started_at, group.finished_at) == pytest.approx((1000.0, 1000.0 + 10 * A))
+    hello = instance.hello()
+    assert (hello.instance_id, hello.max_num_seqs, hello.backend) == (2, 4, "sim")
     beat = instance.heartbeat(2.0)
     assert (beat.instance_id, beat.time, beat.state, beat.tokens_generated) == (
         2,

@@ -38,7 +38,7 @@ import zmq.asyncio
 
 from runtime.auth import Role
 from runtime.config import Config, ConfigError, read_run_config
-from runtime.protocol import Encoder, FrameGuard, WorkerHello
+from runtime.protocol import Encoder, FrameGuard
 from runtime.rundir import RunDir
 from runtime.scheduler.cost_model import CostModel
 from runtime.sim.instance import InstanceModel, TraceOutputs
@@ -168,15 +168,7 @@ class SimInstance:
             if self.closed:
                 return
             self.start(loop.time())
-            await self._send(
-                WorkerHello(
-                    instance_id=self.instance_id,
-                    max_num_seqs=self.max_num_seqs,
-                    weight_version=self.version,
-                    pid=os.getpid(),
-                    backend="sim",
-                )
-            )
+            await self._send(self.model.hello(os.getpid()))
             log.info("instance %d up (max_num_seqs=%d)", self.instance_id, self.max_num_seqs)
             next_heartbeat = loop.time()
             while not self.closed:

@@ -59,6 +59,7 @@ from runtime.protocol import (
     Shutdown,
     UpdateWeights,
     WorkerAck,
+    WorkerHello,
 )
 from runtime.scheduler.cost_model import CostModel
 from runtime.tasks.sim_task import SYNTHETIC_VOCAB, SimTask, sim_reward
@@ -346,6 +347,16 @@ class InstanceModel:
         if self._syncing():
             return "syncing"
         return "paused" if self._paused else "running"
+
+    def hello(self, pid: int = 0) -> WorkerHello:
+        """What the instance says when it is up (``pid``: the process hosting it, if any)."""
+        return WorkerHello(
+            instance_id=self.instance_id,
+            max_num_seqs=self.max_num_seqs,
+            weight_version=self.version,
+            pid=pid,
+            backend="sim",
+        )
 
     def heartbeat(self, now: float) -> Heartbeat:
         return Heartbeat(
