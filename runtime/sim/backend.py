@@ -5,26 +5,12 @@ run (or only the ones named) as asyncio tasks. Each instance has its own DEALER 
 ``b"instance-<i>"``) to the controller's rollout ROUTER and speaks exactly the real worker's
 protocol, so the controller cannot tell it from a cluster of vLLM workers.
 
-How an instance simulates vLLM (no model runs):
-
-- **Lengths.** A group of ``n`` samples of prompt ``p`` takes its output lengths from the trace
-  row behind ``p`` (:mod:`runtime.tasks.sim_task`): sample ``j`` gets the row's sample
-  ``(offset + j) mod S``, cycling through the row's ``S`` samples, with ``offset = seed mod S``
-  (0 without a seed), capped at ``max_tokens`` (``finish_reason`` "length" when cut).
-- **Time.** Continuous batching with ``max_num_seqs`` slots: queued sequences take free slots
-  in arrival order; a group's first admission stalls the batch for ``prefill_s(prompt)``; every
-  decode step advances each running sequence by one token and lasts
-  ``CostModel.decode_step_s(running, context)``. Nothing ticks per token: while the running set
-  is fixed, the time to the next finish is one closed-form sum (``decode_steps_s``), and the
-  instance sleeps until then, or until a message arrives, when it works out how many steps fit
-  in the time that passed. ``rollout.sim.time_scale`` simulated seconds pass per wall second.
-- **Weights.** ``UpdateWeights`` "loads" the file it names: a sim marker (``*.json`` written by
-  :mod:`runtime.sim.trainer`) must name the same version; any other existing file or directory
-  is accepted as is. The load takes ``CostModel.weight_sync_s``. ``boundary`` waits for the
-  in-flight sequences to finish (no new ones start), so no sample spans versions; ``keep``
-  freezes them in place, loads, and lets them continue, so their ``version_max`` is the new one.
-- **Pause.** ``keep`` freezes in-flight sequences until ``ResumeWorker``; ``wait`` stops
-  admitting and pauses once the running ones finish; ``abort`` aborts every group first.
+How an instance simulates vLLM is :mod:`runtime.sim.instance` (the sans-IO model, shared with
+the simulator); this module is its process wrapper (sockets, asyncio loops, heartbeats, and
+``rollout.sim.time_scale`` simulated seconds per wall second). Lengths come from the trace row
+behind each prompt (:class:`runtime.sim.instance.TraceOutputs`). ``UpdateWeights`` "loads" the
+file it names: a sim marker (``*.json`` written by :mod:`runtime.sim.trainer`) must name the
+same version; any other existing file or directory is accepted as is (:func:`check_weights`).
 
 Every socket decodes through a ``FrameGuard``: garbage is logged, counted (the totals are logged
 at exit) and ignored. The process exits 0 when every instance got ``Shutdown``, on SIGTERM or
@@ -36,45 +22,27 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
-import heapq
 import json
 import logging
-import math
 import os
 import signal
 import sys
 import time
 from collections import deque
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
-import numpy as np
 import psutil
 import zmq
 import zmq.asyncio
 
 from runtime.auth import Role
 from runtime.config import Config, ConfigError, read_run_config
-from runtime.protocol import (
-    AbortGroups,
-    Completion,
-    Encoder,
-    FrameGuard,
-    Generate,
-    GroupAborted,
-    GroupDone,
-    Heartbeat,
-    PauseWorker,
-    ResumeWorker,
-    Shutdown,
-    UpdateWeights,
-    WorkerAck,
-    WorkerHello,
-)
+from runtime.protocol import Encoder, FrameGuard
 from runtime.rundir import RunDir
 from runtime.scheduler.cost_model import CostModel
-from runtime.tasks import TaskPrompt
-from runtime.tasks.sim_task import SYNTHETIC_VOCAB, SimTask, sim_reward, unit_hash
+from runtime.sim.instance import InstanceModel, TraceOutputs
+from runtime.tasks.sim_task import SimTask, unit_hash
 from runtime.transport import connect
 
 log = logging.getLogger("runtime.sim.backend")
@@ -90,32 +58,6 @@ SIM_WEIGHTS_FORMAT = "asp-tui-sim-weights"
 CONTROLLER_CHECK_S = 2.0
 """How often (wall seconds) the process checks that the controller is still alive."""
 
-_EPS = 1e-9
-
-
-@dataclass(eq=False)
-class _Group:
-    request: Generate
-    prompt: TaskPrompt
-    prompt_tokens: int
-    seqs: list[_Seq] = field(default_factory=list)
-    started_at: float | None = None
-    unfinished: int = 0
-
-
-@dataclass(eq=False)
-class _Seq:
-    group: _Group
-    index: int
-    length: int
-    truncated: bool
-    start_step: int = -1
-    version_min: int = 0
-    version_max: int = 0
-    finished_at: float = 0.0
-    finished: bool = False
-    aborted: bool = False
-
 
 @dataclass
 class SimSettings:
@@ -130,7 +72,12 @@ class SimSettings:
 
 
 class SimInstance:
-    """One simulated vLLM instance: a DEALER socket, a receive task and a scheduling loop."""
+    """One simulated vLLM instance as a process part: a DEALER socket, a receive task and a
+    scheduling loop around an :class:`InstanceModel`.
+
+    The model counts simulated seconds from the instance's start; this wrapper speaks loop
+    (monotonic) seconds: ``sim = (loop - origin) * time_scale``. Message timestamps are wall
+    times (``loop + clock_offset``)."""
 
     def __init__(
         self,
@@ -143,72 +90,71 @@ class SimInstance:
         self.socket = socket
         self.max_num_seqs = max_num_seqs
         self.settings = settings
-        self.cost = settings.cost
         self.scale = settings.time_scale
         self.guard = FrameGuard(f"rollout[instance-{instance_id}]")
         self.encoder = Encoder()
-        self.unexpected = 0
-        self.state = "starting"
-        self.version = 0
-        self.closed = False
-        # Simulation state. ``step`` counts decode steps; a running sequence has generated
-        # ``step - start_step`` tokens and finishes at ``start_step + length``.
-        self.step = 0
-        self._heap: list[tuple[int, int, _Seq]] = []
-        self._tiebreak = 0
-        self._running = 0
-        self._prompt_sum = 0
-        self._start_sum = 0
-        self._tokens_done = 0
-        self._waiting: deque[_Seq] = deque()
-        self._groups: dict[int, _Group] = {}
-        self._stall_s = 0.0
-        self._carry_s = 0.0
-        self._last = 0.0
-        # Control state.
-        self._paused = False
-        self._pause_wait = False
-        self._updates: deque[UpdateWeights] = deque()
-        self._sync_left_s: float | None = None
+        self._origin = 0.0
+        self.model = InstanceModel(
+            instance_id,
+            max_num_seqs,
+            settings.cost,
+            TraceOutputs(settings.task),
+            stamp=self._wall,
+            check_weights=check_weights,
+        )
+        self._closed = False
         self._inbox: deque[object] = deque()
-        self._outbox: list[object] = []
         self._wake = asyncio.Event()
         self._closing = asyncio.Event()
 
-    # --- derived quantities -------------------------------------------------------------------
+    # --- loop time <-> simulated time ----------------------------------------------------------
+    def _sim(self, loop_time: float) -> float:
+        return (loop_time - self._origin) * self.scale
+
+    def _loop(self, sim_time: float) -> float:
+        return self._origin + sim_time / self.scale
+
+    def _wall(self, sim_time: float) -> float:
+        return self._loop(sim_time) + self.settings.clock_offset
+
+    # --- the model, in loop time --------------------------------------------------------------
+    def start(self, now: float) -> None:
+        """The engine is up at loop time ``now`` (after the simulated start-up)."""
+        self._origin = now
+        self.model.start(0.0)
+
+    def advance(self, now: float) -> None:
+        self.model.advance(self._sim(now))
+
+    def handle(self, message: object, now: float) -> None:
+        self.model.handle(message, self._sim(now))
+
+    def next_event(self, now: float) -> float:
+        """Loop time of the next thing that happens on its own (a finish, a sync completing)."""
+        return self._loop(self.model.next_event(self._sim(now)))
+
+    def take_output(self) -> list[object]:
+        return self.model.take_output()
+
+    @property
+    def version(self) -> int:
+        return self.model.version
+
+    @version.setter
+    def version(self, value: int) -> None:
+        self.model.version = value
+
     @property
     def running_seqs(self) -> int:
-        return self._running
+        return self.model.running_seqs
 
     @property
-    def tokens_generated(self) -> int:
-        return self._tokens_done + self._running * self.step - self._start_sum
+    def unexpected(self) -> int:
+        return self.model.unexpected
 
-    def _context(self) -> int:
-        """Total context (prompt + generated) of the running sequences, in tokens."""
-        return self._prompt_sum + self._running * self.step - self._start_sum
-
-    def _syncing(self) -> bool:
-        return self._sync_left_s is not None
-
-    def _admitting(self) -> bool:
-        """New sequences may start: running, and no boundary update or wait-pause draining."""
-        if self._paused or self._pause_wait or self._syncing() or self.state == "starting":
-            return False
-        return not (self._updates and self._updates[0].mode == "boundary")
-
-    def _frozen(self) -> bool:
-        return self._paused or self._syncing() or self.state == "starting"
-
-    def _reported_state(self) -> str:
-        if self.state == "starting":
-            return "starting"
-        if self._syncing():
-            return "syncing"
-        return "paused" if self._paused else "running"
-
-    def _wall(self, loop_time: float) -> float:
-        return loop_time + self.settings.clock_offset
+    @property
+    def closed(self) -> bool:
+        return self._closed or self.model.closed
 
     # --- the loops ----------------------------------------------------------------------------
     async def run(self) -> None:
@@ -222,15 +168,7 @@ class SimInstance:
             if self.closed:
                 return
             self.start(loop.time())
-            await self._send(
-                WorkerHello(
-                    instance_id=self.instance_id,
-                    max_num_seqs=self.max_num_seqs,
-                    weight_version=self.version,
-                    pid=os.getpid(),
-                    backend="sim",
-                )
-            )
+            await self._send(self.model.hello(os.getpid()))
             log.info("instance %d up (max_num_seqs=%d)", self.instance_id, self.max_num_seqs)
             next_heartbeat = loop.time()
             while not self.closed:
@@ -239,12 +177,14 @@ class SimInstance:
                 self.advance(now)
                 while self._inbox and not self.closed:
                     self.handle(self._inbox.popleft(), now)
+                outbox = self.take_output()
                 if now >= next_heartbeat:
-                    self._outbox.append(self._heartbeat())
+                    outbox.append(self.model.heartbeat(self._sim(now)))
                     next_heartbeat += self.settings.heartbeat_s
                     if next_heartbeat <= now:  # fell behind (a stall): do not send a burst
                         next_heartbeat = now + self.settings.heartbeat_s
-                await self._flush()
+                for message in outbox:
+                    await self._send(message)
                 if self.closed:
                     break
                 deadline = min(self.next_event(now), next_heartbeat)
@@ -269,368 +209,12 @@ class SimInstance:
 
     def close(self) -> None:
         """Stop the loops (used on SIGTERM and when the controller is gone)."""
-        self.closed = True
+        self._closed = True
         self._closing.set()
         self._wake.set()
 
     async def _send(self, message: object) -> None:
         await self.socket.send_multipart(self.encoder.encode(message))  # type: ignore[arg-type]
-
-    async def _flush(self) -> None:
-        for message in self.take_output():
-            await self._send(message)
-
-    def take_output(self) -> list[object]:
-        """Messages produced since the last call (GroupDone, GroupAborted, WorkerAck, ...)."""
-        out, self._outbox = self._outbox, []
-        return out
-
-    def _heartbeat(self) -> Heartbeat:
-        return Heartbeat(
-            instance_id=self.instance_id,
-            state=self._reported_state(),
-            weight_version=self.version,
-            running_seqs=self._running,
-            tokens_generated=self.tokens_generated,
-            time=time.time(),
-        )
-
-    # --- simulated time -----------------------------------------------------------------------
-    def next_event(self, now: float) -> float:
-        """Loop time of the next thing that happens on its own (a finish, a sync completing)."""
-        if self._syncing():
-            return now + max(0.0, self._sync_left_s or 0.0) / self.scale
-        if self._frozen() or self._running == 0:
-            return math.inf
-        k = self._steps_to_next_finish()
-        sim = self._stall_s + self.cost.decode_steps_s(k, self._running, self._context())
-        return now + max(0.0, sim - self._carry_s) / self.scale
-
-    def _steps_to_next_finish(self) -> int:
-        heap = self._heap
-        while heap and heap[0][2].aborted:
-            heapq.heappop(heap)
-        return max(1, heap[0][0] - self.step)
-
-    def start(self, now: float) -> None:
-        """The engine is up at loop time ``now`` (after the simulated start-up)."""
-        self._last = now
-        self.state = "running"
-
-    def advance(self, now: float) -> None:
-        """Bring the simulation forward to loop time ``now``."""
-        carried = self._carry_s
-        budget = (now - self._last) * self.scale + carried
-        self._last = now
-        self._carry_s = 0.0
-        if self.state == "starting":
-            return
-        while True:
-            at = now - max(budget, 0.0) / self.scale  # loop time of the point reached so far
-            if self._syncing():
-                used = min(budget, self._sync_left_s or 0.0)
-                self._sync_left_s = (self._sync_left_s or 0.0) - used
-                budget -= used
-                if self._sync_left_s > _EPS:
-                    return
-                self._finish_sync(now - max(budget, 0.0) / self.scale)
-                continue
-            if self._paused:
-                # The partial step in progress resumes with the sequences (keep mode).
-                self._carry_s = min(carried, max(budget, 0.0))
-                return
-            self._admit(at)
-            if self._running == 0:
-                self._settle()  # may start a boundary update, which then uses the time
-                if self._syncing():
-                    continue
-                return  # idle time is not carried over
-            if budget <= _EPS:
-                self._carry_s = max(budget, 0.0)
-                return
-            if self._stall_s > 0:
-                used = min(budget, self._stall_s)
-                self._stall_s -= used
-                budget -= used
-                if self._stall_s > _EPS:
-                    return
-                self._stall_s = 0.0
-                continue
-            k = self._steps_to_next_finish()
-            running, context = self._running, self._context()
-            segment = self.cost.decode_steps_s(k, running, context)
-            if segment <= budget + _EPS:
-                budget -= segment
-                self.step += k
-                self._finish_due(now - max(budget, 0.0) / self.scale)
-                continue
-            steps = self._steps_within(budget, k, running, context)
-            self.step += steps
-            self._carry_s = budget - self.cost.decode_steps_s(steps, running, context)
-            return
-
-    def _steps_within(self, budget: float, limit: int, running: int, context: int) -> int:
-        """The most decode steps (< ``limit``) that fit in ``budget`` simulated seconds."""
-        low, high = 0, limit - 1
-        while low < high:
-            mid = (low + high + 1) // 2
-            if self.cost.decode_steps_s(mid, running, context) <= budget:
-                low = mid
-            else:
-                high = mid - 1
-        return low
-
-    def _admit(self, at: float) -> None:
-        """Move queued sequences into free slots, in arrival order."""
-        while self._waiting and self._running < self.max_num_seqs and self._admitting():
-            seq = self._waiting.popleft()
-            if seq.aborted:
-                continue
-            group = seq.group
-            seq.start_step = self.step
-            seq.version_min = self.version
-            self._running += 1
-            self._prompt_sum += group.prompt_tokens
-            self._start_sum += self.step
-            self._tiebreak += 1
-            heapq.heappush(self._heap, (self.step + seq.length, self._tiebreak, seq))
-            if group.started_at is None:
-                # vLLM prefills the prompt once for all n samples (they share the prefix).
-                group.started_at = self._wall(at)
-                self._stall_s += self.cost.prefill_s(group.prompt_tokens)
-
-    def _release(self, seq: _Seq) -> None:
-        self._running -= 1
-        self._prompt_sum -= seq.group.prompt_tokens
-        self._start_sum -= seq.start_step
-
-    def _finish_due(self, at: float) -> None:
-        """Retire every sequence whose last token was generated by step ``self.step``."""
-        heap = self._heap
-        while heap and heap[0][0] <= self.step:
-            _, _, seq = heapq.heappop(heap)
-            if seq.aborted:
-                continue
-            self._release(seq)
-            self._tokens_done += seq.length
-            seq.version_max = self.version
-            seq.finished_at = self._wall(at)
-            seq.finished = True
-            group = seq.group
-            group.unfinished -= 1
-            if group.unfinished == 0:
-                self._outbox.append(self._group_done(group))
-                del self._groups[group.request.group_id]
-        self._settle()
-
-    def _settle(self) -> None:
-        """Start what was waiting for the running sequences to drain (a boundary update, a
-        wait-pause)."""
-        if self._running:
-            return
-        if self._pause_wait:
-            self._pause_wait = False
-            self._paused = True
-            self._ack("pause", True, "paused after in-flight sequences finished")
-        if self._updates and not self._syncing() and self._updates[0].mode == "boundary":
-            self._sync_left_s = self._sync_seconds()
-
-    def _sync_seconds(self) -> float:
-        return self.cost.weight_sync_s
-
-    def _finish_sync(self, at: float) -> None:
-        update = self._updates.popleft()
-        self._sync_left_s = None
-        self.version = update.version
-        self._ack("update_weights", True, f"loaded {update.path}")
-        log.debug("instance %d now at weight version %d", self.instance_id, self.version)
-        self._start_next_update()
-        del at
-
-    def _start_next_update(self) -> None:
-        if not self._updates or self._syncing():
-            return
-        if self._updates[0].mode == "keep" or self._running == 0:
-            self._sync_left_s = self._sync_seconds()
-
-    # --- output -------------------------------------------------------------------------------
-    def _group_done(self, group: _Group) -> GroupDone:
-        request = group.request
-        row = int(group.prompt.meta["trace_row"])
-        lengths = [s.length for s in group.seqs]
-        rng = np.random.default_rng([row, request.group_id & 0xFFFFFFFF])
-        total = sum(lengths)
-        # One draw per group, split into per-sample views: cheap even for long groups.
-        ids = rng.integers(4, SYNTHETIC_VOCAB, size=total, dtype=np.int32)
-        logprobs = (-rng.exponential(0.8, size=total)).astype(np.float32)
-        cuts = np.cumsum(lengths)[:-1]
-        completions = [
-            Completion(
-                token_ids=token_ids,
-                logprobs=lp,
-                version_min=seq.version_min,
-                version_max=seq.version_max,
-                finish_reason="length" if seq.truncated else "stop",
-                reward=sim_reward(row, request.group_id, seq.index, seq.version_min, seq.truncated),
-                finished_at=seq.finished_at,
-            )
-            for seq, token_ids, lp in zip(
-                group.seqs, np.split(ids, cuts), np.split(logprobs, cuts), strict=True
-            )
-        ]
-        return GroupDone(
-            group_id=request.group_id,
-            prompt_id=request.prompt_id,
-            instance_id=self.instance_id,
-            completions=completions,
-            started_at=group.started_at or time.time(),
-            finished_at=max(s.finished_at for s in group.seqs),
-        )
-
-    def _ack(self, request: str, ok: bool, detail: str = "") -> None:
-        self._outbox.append(
-            WorkerAck(
-                instance_id=self.instance_id,
-                request=request,
-                ok=ok,
-                weight_version=self.version,
-                detail=detail,
-            )
-        )
-
-    # --- messages -----------------------------------------------------------------------------
-    def handle(self, message: object, now: float) -> None:
-        """Apply one controller message at loop time ``now`` (after ``advance(now)``)."""
-        if isinstance(message, Generate):
-            self._on_generate(message, now)
-        elif isinstance(message, PauseWorker):
-            self._on_pause(message)
-        elif isinstance(message, ResumeWorker):
-            self._on_resume()
-        elif isinstance(message, UpdateWeights):
-            self._on_update(message)
-        elif isinstance(message, AbortGroups):
-            self._on_abort(message.group_ids, "aborted")
-            self._ack("abort", True, f"{len(message.group_ids)} group(s)")
-        elif isinstance(message, Shutdown):
-            log.info("instance %d: shutdown (%s)", self.instance_id, message.reason or "-")
-            self.closed = True
-        else:
-            self.unexpected += 1
-            log.warning(
-                "instance %d: unexpected %s ignored", self.instance_id, type(message).__name__
-            )
-        # A message may have freed or filled slots: start what can start now.
-        if not self._frozen():
-            self._admit(now)
-            self._settle()
-
-    def _on_generate(self, request: Generate, now: float) -> None:
-        if request.group_id in self._groups:
-            log.warning(
-                "instance %d: group %d is already here; duplicate ignored",
-                self.instance_id,
-                request.group_id,
-            )
-            return
-        prompts = self.settings.task.prompts
-        prompt_id = request.prompt_id
-        if not 0 <= prompt_id < len(prompts):
-            # Unknown prompts still get plausible lengths rather than wedging the run.
-            log.warning(
-                "instance %d: prompt_id %d is outside the sim task's %d prompts; using prompt %d",
-                self.instance_id,
-                prompt_id,
-                len(prompts),
-                prompt_id % len(prompts),
-            )
-            prompt_id %= len(prompts)
-        prompt = prompts[prompt_id]
-        trace = prompt.meta["trace_lengths"]
-        offset = (request.seed or 0) % len(trace)
-        # The trace's prompt length, not len(prompt_token_ids): a controller may send stand-in
-        # ids for sim prompts (there is no tokenizer), and prefill/context cost what the trace
-        # says.
-        prompt_tokens = int(prompt.meta.get("prompt_tokens") or len(request.prompt_token_ids))
-        group = _Group(request=request, prompt=prompt, prompt_tokens=prompt_tokens)
-        for j in range(request.n):
-            wanted = int(trace[(offset + j) % len(trace)])
-            length = max(1, min(wanted, request.max_tokens))
-            group.seqs.append(_Seq(group, j, length, truncated=wanted > request.max_tokens))
-        group.unfinished = request.n
-        if request.n == 0:
-            self._outbox.append(
-                GroupDone(
-                    group_id=request.group_id,
-                    prompt_id=request.prompt_id,
-                    instance_id=self.instance_id,
-                    completions=[],
-                    started_at=self._wall(now),
-                    finished_at=self._wall(now),
-                )
-            )
-            return
-        self._groups[request.group_id] = group
-        self._waiting.extend(group.seqs)
-
-    def _on_pause(self, message: PauseWorker) -> None:
-        mode = message.mode
-        if mode == "keep":
-            self._pause_wait = False
-            self._paused = True
-            self._ack("pause", True, "in-flight sequences kept")
-        elif mode == "wait":
-            if self._running == 0:
-                self._paused = True
-                self._ack("pause", True, "nothing in flight")
-            else:
-                self._pause_wait = True
-        elif mode == "abort":
-            aborted = list(self._groups)
-            self._on_abort(aborted, "paused")
-            self._paused = True
-            self._ack("pause", True, f"{len(aborted)} group(s) aborted")
-        else:
-            self._ack("pause", False, f"mode {mode!r} is not one of keep, wait, abort")
-
-    def _on_resume(self) -> None:
-        if self._pause_wait:
-            self._pause_wait = False
-            self._ack("pause", False, "cancelled by resume before in-flight work finished")
-        self._paused = False
-        self._ack("resume", True)
-
-    def _on_update(self, update: UpdateWeights) -> None:
-        if update.mode not in ("boundary", "keep"):
-            self._ack("update_weights", False, f"mode {update.mode!r} is not one of boundary, keep")
-            return
-        problem = check_weights(update.version, update.path)
-        if problem:
-            log.warning(
-                "instance %d: update to v%d refused: %s", self.instance_id, update.version, problem
-            )
-            self._ack("update_weights", False, problem)
-            return
-        if update.version == self.version and not self._updates:
-            self._ack("update_weights", True, "already at this version")
-            return
-        self._updates.append(update)
-        self._start_next_update()
-
-    def _on_abort(self, group_ids: list[int], reason: str) -> None:
-        for group_id in group_ids:
-            group = self._groups.pop(group_id, None)
-            if group is None:
-                continue  # finished (GroupDone already sent) or never here
-            for seq in group.seqs:
-                if seq.start_step >= 0 and not seq.aborted and not seq.finished:
-                    self._release(seq)
-                    self._tokens_done += self.step - seq.start_step
-                seq.aborted = True
-            self._outbox.append(
-                GroupAborted(group_id=group_id, instance_id=self.instance_id, reason=reason)
-            )
-        self._settle()
 
 
 def check_weights(version: int, path: str) -> str:

@@ -25,10 +25,14 @@ trainer resumes where it stopped.
 
 **Metrics** are computed from the batch, never made up: the reward mean and std of its samples;
 ``loss``, the value of the GRPO surrogate at the behaviour policy (ratio 1), i.e. with
-group-normalised advantages A_i (as :func:`runtime.trainer.grpo.group_advantages`) and token
-aggregation ``-sum_i L_i A_i / sum_i L_i`` (``sequence``: ``-mean_i A_i``); ``entropy``, the mean
-negative behaviour log-prob per token (an unbiased estimate of the sampling entropy); tokens,
-samples and the mean response length. KL, clip fractions and grad norm need a model and stay 0.
+group-normalised advantages A_i (:func:`runtime.trainer.advantages.group_advantages`, the
+real trainer's) and token aggregation ``-sum_i L_i A_i / sum_i L_i`` (``sequence``:
+``-mean_i A_i``); ``entropy``, the mean negative behaviour log-prob per token (an unbiased
+estimate of the sampling entropy); tokens, samples and the mean response length. KL, clip
+fractions and grad norm need a model and stay 0.
+
+:class:`TrainerModel` is the step itself, sans-IO (a ``Batch`` in; the metrics and the
+simulated step time out), shared with the simulator; :class:`SimTrainer` is its process.
 """
 
 from __future__ import annotations
@@ -63,6 +67,7 @@ from runtime.protocol import (
 from runtime.rundir import RunDir, atomic_write_bytes
 from runtime.scheduler.cost_model import CostModel
 from runtime.sim.backend import SIM_WEIGHTS_FORMAT, controller_alive, setup_logging
+from runtime.trainer.advantages import group_advantages
 from runtime.transport import connect
 
 log = logging.getLogger("runtime.sim.trainer")
@@ -102,21 +107,6 @@ def resumed_version(run_dir: RunDir) -> int:
         return 0
 
 
-def group_advantages(
-    rewards: np.ndarray, group_index: np.ndarray, scale: bool, eps: float = 1e-6
-) -> np.ndarray:
-    """GRPO advantages, as ``runtime.trainer.grpo.group_advantages`` (unbiased group std)."""
-    groups = int(group_index.max()) + 1 if group_index.size else 0
-    counts = np.bincount(group_index, minlength=groups).astype(np.float64)
-    mean = np.bincount(group_index, rewards, minlength=groups) / np.maximum(counts, 1)
-    centered = rewards - mean[group_index]
-    if not scale:
-        return centered
-    squares = np.bincount(group_index, centered**2, minlength=groups)
-    std = np.sqrt(squares / np.maximum(counts - 1, 1))
-    return centered / (std[group_index] + eps)
-
-
 def batch_metrics(batch: Batch, loss: LossConfig) -> tuple[StepMetrics, int]:
     """The step's metrics and the tokens (prompt + response) the step time is charged for."""
     rewards: list[float] = []
@@ -124,13 +114,14 @@ def batch_metrics(batch: Batch, loss: LossConfig) -> tuple[StepMetrics, int]:
     lengths: list[int] = []
     logprob_sum = 0.0
     prompt_tokens = 0
+    add = np.add.reduce  # np.sum's dispatch costs as much as the sum of a short row
     for k, group in enumerate(batch.groups):
-        for completion in group.completions:
-            rewards.append(completion.reward)
-            index.append(k)
-            lengths.append(len(completion.token_ids))
-            logprob_sum += float(np.sum(completion.logprobs, dtype=np.float64))
-            prompt_tokens += len(group.prompt_token_ids)
+        completions = group.completions
+        rewards.extend(c.reward for c in completions)
+        index.extend([k] * len(completions))
+        lengths.extend(len(c.token_ids) for c in completions)
+        logprob_sum += sum(float(add(c.logprobs, dtype=np.float64)) for c in completions)
+        prompt_tokens += len(completions) * len(group.prompt_token_ids)
     if not rewards:
         return StepMetrics(loss=0.0, reward_mean=0.0), 0
     r = np.asarray(rewards, dtype=np.float64)
@@ -153,6 +144,40 @@ def batch_metrics(batch: Batch, loss: LossConfig) -> tuple[StepMetrics, int]:
     return metrics, tokens + prompt_tokens
 
 
+class TrainerModel:
+    """The sim trainer's step without a process: ``step(batch)`` returns the batch's metrics
+    and the simulated step time; ``step_done`` then moves to the next weight version."""
+
+    def __init__(
+        self, cost: CostModel, loss: LossConfig, step_s: float | None = None, version: int = 0
+    ) -> None:
+        self.cost = cost
+        self.loss = loss
+        self.fixed_step_s = step_s
+        """``rollout.sim.trainer_step_s``: a fixed step time instead of the cost model's."""
+        self.version = version
+
+    def step(self, batch: Batch) -> tuple[StepMetrics, float]:
+        """Train on ``batch``: (metrics, simulated seconds). ``metrics.step_s`` is the simulated
+        time (a process overwrites it with its own)."""
+        if batch.version != self.version:
+            log.warning(
+                "batch is for version %d, trainer is at %d; training on it anyway",
+                batch.version,
+                self.version,
+            )
+        metrics, tokens = batch_metrics(batch, self.loss)
+        seconds = self.fixed_step_s or self.cost.trainer_step_s(tokens)
+        metrics.step_s = seconds
+        return metrics, seconds
+
+    def step_done(self, metrics: StepMetrics, weights_path: str = "") -> StepDone:
+        """The step's time has passed: move to the next version and say so (``weights_path``
+        "" where there are no weights)."""
+        self.version += 1
+        return StepDone(version=self.version, weights_path=weights_path, metrics=metrics)
+
+
 class Stop(Exception):
     """Shutdown from the controller, a signal, or the controller is gone."""
 
@@ -162,9 +187,13 @@ class SimTrainer:
         self.config = config
         self.run_dir = run_dir
         self.endpoints = run_dir.read_endpoints()
-        self.cost = CostModel()
         self.scale = config.rollout.sim.time_scale
-        self.version = resumed_version(run_dir)
+        self.model = TrainerModel(
+            CostModel(),
+            config.trainer.loss,
+            config.rollout.sim.trainer_step_s,
+            resumed_version(run_dir),
+        )
         self.signal_name = ""
         self.context = zmq.Context()
         self.socket = connect(
@@ -244,26 +273,23 @@ class SimTrainer:
         except Stop as stop:
             return str(stop)
 
+    @property
+    def version(self) -> int:
+        return self.model.version
+
     def step(self, batch: Batch) -> None:
         started = time.perf_counter()
-        if batch.version != self.version:
-            log.warning(
-                "batch is for version %d, trainer is at %d; training on it anyway",
-                batch.version,
-                self.version,
-            )
-        metrics, tokens = batch_metrics(batch, self.config.trainer.loss)
-        simulated = self.config.rollout.sim.trainer_step_s or self.cost.trainer_step_s(tokens)
+        metrics, simulated = self.model.step(batch)
         # Wait out the step, still listening: a Shutdown mid-step ends it (Stop propagates).
         until = time.monotonic() + simulated / self.scale
         while (left := until - time.monotonic()) > 0:
             self.receive((), left)
-        self.version += 1
+        version = self.version + 1
         path = write_marker(
             self.run_dir,
-            self.version,
+            version,
             {
-                "step": self.version - 1,
+                "step": version - 1,
                 "groups": len(batch.groups),
                 "samples": metrics.samples,
                 "reward_mean": metrics.reward_mean,
@@ -273,10 +299,11 @@ class SimTrainer:
         prune_markers(self.run_dir, self.config.trainer.keep_weight_versions)
         atomic_write_bytes(
             self.run_dir.checkpoints / CHECKPOINT_NAME,
-            json.dumps({"version": self.version, "weights": str(path)}).encode(),
+            json.dumps({"version": version, "weights": str(path)}).encode(),
         )
+        done = self.model.step_done(metrics, str(path))
         metrics.step_s = time.perf_counter() - started
-        self.send(StepDone(version=self.version, weights_path=str(path), metrics=metrics))
+        self.send(done)
         log.info(
             "step %d: loss %.4f reward %.3f samples %d tokens %d simulated %.2fs (%.2fs)",
             self.version,

@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 
 from runtime.protocol import Batch
-from runtime.trainer.grpo import group_advantages
+from runtime.trainer.advantages import group_advantages
 
 
 @dataclass(frozen=True)
@@ -84,8 +84,8 @@ def samples_from_batch(
                 )  # fmt: skip
     if not kept:
         return [], problems
-    rewards = torch.tensor([k[4] for k in kept], dtype=torch.float64)
-    groups = torch.tensor([k[0] for k in kept], dtype=torch.int64)
+    rewards = np.array([k[4] for k in kept], dtype=np.float64)
+    groups = np.array([k[0] for k in kept], dtype=np.int64)
     advantages = group_advantages(rewards, groups, scale_rewards=scale_rewards).tolist()
     samples = [
         Sample(

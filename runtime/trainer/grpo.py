@@ -25,6 +25,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from runtime.trainer.advantages import group_advantages as shared_group_advantages
+
 Aggregation = Literal["token", "sequence"]
 
 # exp() of a log-ratio beyond this is a numerical accident, not information (|log| > 20 means
@@ -35,35 +37,12 @@ _MAX_LOG_RATIO = 20.0
 def group_advantages(
     rewards: Tensor, group_ids: Tensor, scale_rewards: bool = True, eps: float = 1e-6
 ) -> Tensor:
-    """Group-normalised advantages, one per sample.
-
-    A_i = (r_i - mean_{j in g(i)} r_j) / (std_{j in g(i)} r_j + eps) with ``scale_rewards``
-    (GRPO; TRL ``scale_rewards="group"``, verl ``compute_grpo_outcome_advantage`` with
-    ``norm_adv_by_std_in_grpo=True``); A_i = r_i - mean_g r without it (Dr. GRPO, TRL
-    ``scale_rewards="none"``). The std is the unbiased one, as TRL and verl use. A group whose
-    rewards are all equal, or that has one member, gets advantage 0: it carries no signal.
-
-    ``group_ids`` are arbitrary integers; samples with the same id form one group.
-    """
-    if rewards.ndim != 1 or rewards.shape != group_ids.shape:
-        raise ValueError(
-            f"rewards {tuple(rewards.shape)} and group_ids {tuple(group_ids.shape)} must be 1-D "
-            "and the same length"
-        )
-    rewards = rewards.to(torch.float64)
-    _, index = torch.unique(group_ids, return_inverse=True)
-    n_groups = int(index.max()) + 1 if index.numel() else 0
-    counts = torch.zeros(n_groups, dtype=torch.float64).index_add_(
-        0, index, torch.ones_like(rewards)
+    """:func:`runtime.trainer.advantages.group_advantages` (the one definition) for tensors:
+    float32 advantages, one per sample."""
+    advantages = shared_group_advantages(
+        rewards.detach().cpu().numpy(), group_ids.detach().cpu().numpy(), scale_rewards, eps
     )
-    sums = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, index, rewards)
-    mean = sums / counts
-    centered = rewards - mean[index]
-    if not scale_rewards:
-        return centered.to(torch.float32)
-    sq = torch.zeros(n_groups, dtype=torch.float64).index_add_(0, index, centered**2)
-    std = torch.sqrt(sq / (counts - 1).clamp(min=1))
-    return (centered / (std[index] + eps)).to(torch.float32)
+    return torch.from_numpy(advantages).to(torch.float32)
 
 
 def token_logprobs(
