@@ -28,6 +28,8 @@ class Accounting:
             {i: inst.max_num_seqs for i, inst in instances.items()}, now
         )
         self.windows = BubbleWindows(self.accountant, config.telemetry.window_s, now)
+        self._working = 0
+        self._trainer_condition = "idle"
         self.window: dict[str, float] = {}
         self.shares: dict[int, float] = {}
         self.total: dict[str, float] = {}
@@ -39,32 +41,42 @@ class Accounting:
         return self.windows.step_interval(now)
 
     def account(self, now: float, work: WorkQueue, trainer_condition: str) -> None:
+        """Every instance and the trainer, after an event that may have changed any of them."""
         # O(N) per call: this runs after every event, and 256 instances send hundreds a second.
-        working = sum(1 for inst in self.instances.values() if inst.in_flight)
+        self._working = sum(1 for inst in self.instances.values() if inst.in_flight)
+        self._trainer_condition = trainer_condition
         for i, inst in self.instances.items():
-            if inst.state == DOWN or (inst.state == STARTING and inst.restarts > 0):
-                state = "down"
-            elif inst.state == STARTING:
-                state = "starting"
-            else:
-                state = inst.state
-            pending = work.pending(i)
-            blocked = inst.blocked
-            active = inst.active_slots()
-            cause = free_slot_cause(
-                state=state,
-                pending=pending if state == "running" else 0,
-                running=active,
-                admission_open=not blocked or blocked in ("no work", "minibatch barrier"),
-                work_elsewhere=working - (1 if inst.in_flight else 0) > 0,
-                trainer_condition=trainer_condition,
-                held=blocked == "no work" and pending > 0,
-            )
-            if inst.state == STARTING and inst.restarts == 0:
-                cause = "idle"  # first start-up: nothing was lost yet
-            self.accountant.update(i, now, active=active, cause=cause)
+            self._account_one(now, i, inst, work)
         trainer = trainer_condition if trainer_condition in TRAINER_CONDITIONS else "idle"
         self.accountant.trainer_update(now, trainer)
+
+    def account_some(self, now: float, instance_ids: set[int], work: WorkQueue) -> None:
+        """Only these instances' own counts moved (a heartbeat): the rest is as last time."""
+        for i in instance_ids:
+            self._account_one(now, i, self.instances[i], work)
+
+    def _account_one(self, now: float, i: int, inst: Instance, work: WorkQueue) -> None:
+        if inst.state == DOWN or (inst.state == STARTING and inst.restarts > 0):
+            state = "down"
+        elif inst.state == STARTING:
+            state = "starting"
+        else:
+            state = inst.state
+        pending = work.pending(i)
+        blocked = inst.blocked
+        active = inst.active_slots()
+        cause = free_slot_cause(
+            state=state,
+            pending=pending if state == "running" else 0,
+            running=active,
+            admission_open=not blocked or blocked in ("no work", "minibatch barrier"),
+            work_elsewhere=self._working - (1 if inst.in_flight else 0) > 0,
+            trainer_condition=self._trainer_condition,
+            held=blocked == "no work" and pending > 0,
+        )
+        if inst.state == STARTING and inst.restarts == 0:
+            cause = "idle"  # first start-up: nothing was lost yet
+        self.accountant.update(i, now, active=active, cause=cause)
 
     def snapshot(
         self,

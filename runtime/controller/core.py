@@ -150,16 +150,33 @@ class ControllerCore:
 
     def handle(self, event: A.Event) -> list[A.Action]:
         """Apply one event; the actions it calls for, in order."""
-        self._apply(event)
-        self._after_change()
-        return self.outbox.take()
+        return self.handle_all([event])
 
     def handle_all(self, events: list[A.Event]) -> list[A.Action]:
         """Apply events that happened at the same moment, then decide once."""
+        local: set[int] = set()
+        changed = False
         for event in events:
-            self._apply(event)
-        self._after_change()
+            if _is_heartbeat(event) and self._heartbeat(event):  # type: ignore[arg-type]
+                local.add(event.instance_id)  # type: ignore[union-attr]
+            else:
+                self._apply(event)
+                changed = True
+        if changed:
+            self._after_change()
+        elif local:
+            # Only slot counts moved: nothing to dispatch or batch; re-account those instances.
+            self.accounting.account_some(self.clock(), local, self.work)
         return self.outbox.take()
+
+    def _heartbeat(self, event: A.InstanceMessage) -> bool:
+        """Apply a heartbeat; True when it changed nothing but the instance's own counts."""
+        inst = self.instances.get(event.instance_id)
+        if inst is None:
+            return True
+        state = inst.state
+        self.fleet.on_message(inst, event.message)
+        return inst.state == state and not self.outbox.actions
 
     def _apply(self, event: A.Event) -> None:
         if isinstance(event, A.InstanceMessage):
@@ -370,6 +387,10 @@ class ControllerCore:
     def finish(self) -> None:
         """The shell's shutdown is over: the run's final state."""
         self.state = "finished" if self.exit_code == 0 else "failed"
+
+
+def _is_heartbeat(event: A.Event) -> bool:
+    return isinstance(event, A.InstanceMessage) and isinstance(event.message, P.Heartbeat)
 
 
 def _governor(config: Config, st: ControllerState, resumed: bool) -> LagGovernor:

@@ -246,7 +246,10 @@ class SimRun:
             single_epoch=True,
         )
         outputs = TableOutputs(actual, prompt_tokens, payload="light", reward=None)
-        self.models = {s.instance_id: InstanceModel(s.instance_id, s.max_num_seqs, cost, outputs) for s in instances}
+        self.models = {
+            s.instance_id: InstanceModel(s.instance_id, s.max_num_seqs, cost, outputs)
+            for s in instances
+        }
         self.trainer = TrainerModel(cost, config.trainer.loss)
         self.first = (EpochPlan(0, list(groups), lag_bound, lambda: scheduler), scheduler)
         self._events: list[tuple[float, int, int, int]] = []
@@ -273,14 +276,20 @@ class SimRun:
             self.clock.now = now
             if kind == _MODEL:
                 del self._due[who]
-                model = self.models[who]
-                model.advance(now)
+                self.models[who].advance(now)
                 self._feed_outputs([who])
+                self._reschedule(who)
             else:
                 self._step_done()
-        if self.core.governor.counters.consumed < len(self.groups):
-            consumed = self.core.governor.counters.consumed
-            raise RuntimeError(f"simulation stalled: {consumed} of {len(self.groups)} groups consumed")
+        consumed = self.core.governor.counters.consumed
+        if consumed < len(self.groups):
+            core = self.core
+            why = sorted({f"{x.state}: {x.blocked or '-'}" for x in core.instances.values()})
+            raise RuntimeError(
+                f"simulation stalled at {self.clock.now:.3f}s: {consumed} of {len(self.groups)} "
+                f"groups consumed; trainer {core.trainer.condition}, "
+                f"{core.work.scheduler.remaining()} groups not handed out; instances {why}"
+            )
 
     def _push(self, at: float, kind: int, who: int) -> None:
         self._seq += 1
@@ -318,13 +327,17 @@ class SimRun:
             elif isinstance(action, A.StopRequested):
                 self.stopped = True
         for i in touched:
-            due = self.models[i].next_event(now)
-            if due != self._due.get(i) and due < math.inf:
-                self._due[i] = due
-                self._push(due, _MODEL, i)
-            elif due == math.inf:
-                self._due.pop(i, None)
-        return [i for i in touched if self.models[i].has_output()]
+            self._reschedule(i)
+        return [i for i in touched if self.models[i].pending_output]
+
+    def _reschedule(self, i: int) -> None:
+        """Wake model ``i`` when its next event is due (at most one live entry per model)."""
+        due = self.models[i].next_event(self.clock.now)
+        if due == math.inf:
+            self._due.pop(i, None)
+        elif due != self._due.get(i):
+            self._due[i] = due
+            self._push(due, _MODEL, i)
 
     def _step_done(self) -> None:
         done = self.trainer.step_done(self._pending_step)

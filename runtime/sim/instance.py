@@ -368,6 +368,11 @@ class InstanceModel:
             time=self.stamp(now),
         )
 
+    @property
+    def pending_output(self) -> bool:
+        """Messages are waiting for :meth:`take_output`."""
+        return bool(self._outbox)
+
     def take_output(self) -> list[object]:
         """Messages produced since the last call (GroupDone, GroupAborted, WorkerAck)."""
         out, self._outbox = self._outbox, []
