@@ -103,7 +103,7 @@ def capped_shape(
     wanted = [int(w) for w in wanted]
     return GroupShape(
         prompt_tokens=prompt_tokens,
-        lengths=[(w if w < max_tokens else max_tokens) or 1 for w in wanted],
+        lengths=[w if 0 < w < max_tokens else max(1, min(w, max_tokens)) for w in wanted],
         truncated=[w > max_tokens for w in wanted],
         key=key,
     )
