@@ -368,6 +368,10 @@ class InstanceModel:
             time=self.stamp(now),
         )
 
+    def has_output(self) -> bool:
+        """Whether ``take_output`` would return something."""
+        return bool(self._outbox)
+
     def take_output(self) -> list[object]:
         """Messages produced since the last call (GroupDone, GroupAborted, WorkerAck)."""
         out, self._outbox = self._outbox, []
