@@ -301,7 +301,9 @@ def test_edge_messages() -> None:
     instance = model({0: [10]})
     assert instance.next_event(0.0) == math.inf  # idle: nothing happens on its own
     instance.handle(generate(0, 0, 0), 0.0)
+    assert instance.has_output()
     (empty,) = instance.take_output()
+    assert not instance.has_output()
     assert isinstance(empty, GroupDone) and empty.completions == []
     with pytest.raises(ValueError, match="prompt_id 5 has no lengths"):
         instance.handle(generate(1, 5, 1), 0.0)

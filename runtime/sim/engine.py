@@ -328,7 +328,7 @@ class SimRun:
                 self.stopped = True
         for i in touched:
             self._reschedule(i)
-        return [i for i in touched if self.models[i].pending_output]
+        return [i for i in touched if self.models[i].has_output()]
 
     def _reschedule(self, i: int) -> None:
         """Wake model ``i`` when its next event is due (at most one live entry per model)."""

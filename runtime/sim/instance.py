@@ -103,7 +103,7 @@ def capped_shape(
     wanted = [int(w) for w in wanted]
     return GroupShape(
         prompt_tokens=prompt_tokens,
-        lengths=[(w if w < max_tokens else max_tokens) or 1 for w in wanted],
+        lengths=[w if 0 < w < max_tokens else max(1, min(w, max_tokens)) for w in wanted],
         truncated=[w > max_tokens for w in wanted],
         key=key,
     )
@@ -368,9 +368,8 @@ class InstanceModel:
             time=self.stamp(now),
         )
 
-    @property
-    def pending_output(self) -> bool:
-        """Messages are waiting for :meth:`take_output`."""
+    def has_output(self) -> bool:
+        """Whether ``take_output`` would return something."""
         return bool(self._outbox)
 
     def take_output(self) -> list[object]:

@@ -1,8 +1,8 @@
 """GRPO's group-normalised advantages: the one definition in the tree (numpy, no torch).
 
-The real trainer (:mod:`runtime.trainer.batching`, through :func:`runtime.trainer.grpo.
-group_advantages` for tensors) and the sim trainer (:mod:`runtime.sim.trainer`) both call
-:func:`group_advantages`; the sim trainer and the controller must not need torch.
+The real trainer (:mod:`runtime.trainer.batching`) and the sim trainer
+(:mod:`runtime.sim.trainer`, which must not need torch) call :func:`group_advantages`;
+:func:`runtime.trainer.grpo.group_advantages` is the same function for tensors.
 """
 
 from __future__ import annotations
