@@ -19,7 +19,7 @@ import msgspec
 from asp_tui.format import once_text
 from asp_tui.link import ControllerLink, LinkError, read_endpoints, resolve_target
 from runtime.auth import Role
-from runtime.protocol import Snapshot
+from runtime.protocol import Snapshot, StatusCmd, StopRun
 
 EXIT_OK, EXIT_INCOMPLETE, EXIT_BAD_TARGET = 0, 1, 2
 
@@ -76,7 +76,7 @@ async def fetch_status(link: ControllerLink, timeout: float) -> Snapshot:
     """One ``status`` round trip; raises ``LinkError`` with what to do when it fails."""
     try:
         await link.open()
-        reply = await link.request("status", timeout)
+        reply = await link.request(StatusCmd(), timeout)
     except LinkError:
         raise  # already says where and why
     except (TimeoutError, OSError) as exc:
@@ -157,7 +157,7 @@ def stop_run(
     async def request_stop() -> None:
         try:
             await link.open()
-            reply = await link.request("stop", 5.0)
+            reply = await link.request(StopRun(), 5.0)
         except LinkError:
             raise
         except (TimeoutError, OSError) as exc:

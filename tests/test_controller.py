@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import psutil
 import pytest
 import zmq
@@ -29,6 +30,14 @@ from runtime.controller.client import (
     write_run_config,
 )
 from runtime.controller.ledger import verify_ledger
+from runtime.protocol import (
+    PauseInstances,
+    RestartInstances,
+    ResumeInstances,
+    SetLagBound,
+    StatusCmd,
+    StopRun,
+)
 from runtime.rundir import RunDir, read_jsonl
 from runtime.transport import connect
 
@@ -149,7 +158,7 @@ async def test_live_lag_change_2_0_1(tmp_path, mode):
         endpoints = ctl.endpoints
         async with ControlClient(endpoints) as control, TelemetrySubscriber(endpoints) as tel:
             await tel.wait_for(lambda s: s.step >= 3, timeout=90)
-            reply = await control.request("set_lag_bound", value=0)
+            reply = await control.request(SetLagBound(value=0))
             assert reply.ok, reply.reason
             data = reply.data
             if mode == "abort":
@@ -157,7 +166,7 @@ async def test_live_lag_change_2_0_1(tmp_path, mode):
             else:  # old bound stays in force until nothing in flight would violate the new one
                 assert (data["lag_bound"], data["pending_lag_bound"]) in ((2, 0), (0, None))
             await tel.wait_for(lambda s: s.step >= 7 and s.lag_bound == 0, timeout=90)
-            reply = await control.request("set_lag_bound", value=1)
+            reply = await control.request(SetLagBound(value=1))
             assert reply.ok and reply.data["lag_bound"] == 1
         assert await ctl.wait(120) == 0
     steps = steps_of(run_dir)
@@ -176,6 +185,14 @@ async def test_live_lag_change_2_0_1(tmp_path, mode):
         assert pending or applied, "the decrease was neither pending nor applied"
 
 
+def _unchecked(name: str) -> msgspec.Struct:
+    """A command tagged ``name`` with no arguments, which the protocol's classes cannot make: an
+    unknown command, or a known one missing its argument."""
+    cls = msgspec.defstruct("Unchecked", [("request_id", int, 0)], tag=name, kw_only=True)
+    cls.name = name  # the client names it in a timeout message
+    return cls()
+
+
 async def test_commands_pause_resume_and_refusals(tmp_path):
     run_dir = make_run(
         tmp_path,
@@ -188,22 +205,24 @@ async def test_commands_pause_resume_and_refusals(tmp_path):
         endpoints = ctl.endpoints
         async with ControlClient(endpoints) as control, TelemetrySubscriber(endpoints) as tel:
             await tel.wait_for(lambda s: s.step >= 1, timeout=90)
+            # Structs do not validate on construction, so a wrong field reaches the controller
+            # as it would from a foreign client; _unchecked builds what the protocol cannot.
             refusals = [
-                ("bogus", {}, "unknown command"),
-                ("set_lag_bound", {"value": 99}, "out of range"),
-                ("set_lag_bound", {"value": "one"}, "not an integer"),
-                ("set_lag_bound", {}, "needs"),
-                ("pause_instance", {"ids": [7]}, "unknown instance id 7"),
-                ("pause_instance", {"ids": []}, "non-empty list"),
-                ("resume_instance", {"ids": [0]}, "not paused"),
+                (_unchecked("bogus"), "unknown command"),
+                (SetLagBound(value=99), "out of range"),
+                (SetLagBound(value="one"), "not an integer"),
+                (_unchecked("set_lag_bound"), "needs"),
+                (PauseInstances(ids=[7]), "unknown instance id 7"),
+                (PauseInstances(ids=[]), "non-empty list"),
+                (ResumeInstances(ids=[0]), "not paused"),
             ]
-            for name, args, expected in refusals:
-                reply = await control.request(name, **args)
-                assert not reply.ok and expected in reply.reason, (name, reply)
+            for command, expected in refusals:
+                reply = await control.request(command)
+                assert not reply.ok and expected in reply.reason, (command, reply)
 
-            reply = await control.request("pause_instance", ids=[1])
+            reply = await control.request(PauseInstances(ids=[1]))
             assert reply.ok, reply.reason
-            again = await control.request("pause_instance", ids=[1])
+            again = await control.request(PauseInstances(ids=[1]))
             assert not again.ok and "already paused" in again.reason
             snap = await tel.wait_for(lambda s: s.instances[1].state == "paused", timeout=10)
             paused_at = snap.time
@@ -221,7 +240,7 @@ async def test_commands_pause_resume_and_refusals(tmp_path):
             ]
             assert others, "training stopped while one instance was paused"
 
-            reply = await control.request("resume_instance", ids=[1])
+            reply = await control.request(ResumeInstances(ids=[1]))
             assert reply.ok, reply.reason
             await tel.wait_for(lambda s: s.instances[1].state in ("running", "syncing"), timeout=10)
             resumed_at = time.time()
@@ -259,11 +278,11 @@ async def test_commands_pause_resume_and_refusals(tmp_path):
             snapshots, events = await control.history()
             assert snapshots and any("paused" in e.message for e in events)
 
-            reply = await asyncio.to_thread(send_command, endpoints, "stop")
+            reply = await asyncio.to_thread(send_command, endpoints, StopRun())
             assert reply.ok
         assert await ctl.wait(60) == 0
     with pytest.raises(ControllerUnavailable):
-        send_command(endpoints, "status", timeout_s=0.5)
+        send_command(endpoints, StatusCmd(), timeout_s=0.5)
     records = read_jsonl(RunDir(run_dir).metrics)
     commands = [r for r in records if r.get("event") == "command"]
     assert any(c["name"] == "pause_instance" and c["ok"] for c in commands)
@@ -387,7 +406,7 @@ async def test_no_spawn_heartbeat_timeout_marks_down_and_training_goes_on(tmp_pa
                 peers[1].kill()
                 snap = await tel.wait_for(lambda s: s.instances[1].state == "down", timeout=15)
                 assert snap.instances[0].state in ("running", "syncing")
-                reply = await control.request("restart_instance", ids=[1])
+                reply = await control.request(RestartInstances(ids=[1]))
                 assert not reply.ok and "--no-spawn" in reply.reason
             assert await ctl.wait(120) == 0
         finally:
@@ -440,9 +459,9 @@ async def test_restart_instance_command_restarts_and_resyncs(tmp_path):
             TelemetrySubscriber(ctl.endpoints) as tel,
         ):
             await tel.wait_for(lambda s: s.step >= 2, timeout=90)
-            reply = await control.request("restart_instance", ids=[0])
+            reply = await control.request(RestartInstances(ids=[0]))
             assert not reply.ok and "one process" in reply.reason  # sim: all or a down one
-            reply = await control.request("restart_instance", ids=[0, 1])
+            reply = await control.request(RestartInstances(ids=[0, 1]))
             assert reply.ok, reply.reason
             restarted_at = time.time()
             snap = await tel.wait_for(
@@ -451,7 +470,7 @@ async def test_restart_instance_command_restarts_and_resyncs(tmp_path):
             )
             version = snap.weight_version
             await tel.wait_for(lambda s: s.step >= version + 2, timeout=60)
-            reply = await control.request("stop")
+            reply = await control.request(StopRun())
             assert reply.ok
         assert await ctl.wait(60) == 0
     records = read_jsonl(RunDir(run_dir).ledger)
@@ -514,7 +533,7 @@ async def test_operator_restart_supersedes_the_backoff(tmp_path):
                 lambda s: all(r.state == "down" and "restart in" in r.pending for r in s.instances),
                 timeout=10,
             )
-            reply = await control.request("restart_instance", ids=[0])  # a down one is fine
+            reply = await control.request(RestartInstances(ids=[0]))  # a down one is fine
             assert reply.ok, reply.reason
             snap = await tel.wait_for(
                 lambda s: all(r.state == "running" for r in s.instances), timeout=15
@@ -522,6 +541,6 @@ async def test_operator_restart_supersedes_the_backoff(tmp_path):
             assert all(r.restarts == 1 for r in snap.instances)
             step = snap.step
             await tel.wait_for(lambda s: s.step >= step + 2, timeout=60)
-            assert await control.request("stop")
+            assert await control.request(StopRun())
         assert await ctl.wait(60) == 0
     assert verify_ledger(RunDir(run_dir).ledger).ok

@@ -31,7 +31,7 @@ from asp_tui.widgets.instances import InstanceTable
 from runtime.auth import Role
 from runtime.config import load_config
 from runtime.controller.client import ControlClient, write_run_config
-from runtime.protocol import Snapshot
+from runtime.protocol import PauseInstances, Snapshot
 from runtime.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -220,7 +220,7 @@ async def test_readonly_can_neither_pause_nor_change_the_bound(controller):
         await pilot.press("p", "y", "L", "1", "enter", "y", "plus", "y")
         await pilot.pause(1.0)
         # Past the dashboard's own refusal, straight to the controller: refused there as well.
-        reply = await app.link.request("pause_instance", 5.0, ids=[0])
+        reply = await app.link.request(PauseInstances(ids=[0]), 5.0)
         assert not reply.ok and "role viewer may not send 'pause_instance'" in reply.reason
     after = await status(controller)
     assert after.lag_bound == before.lag_bound

@@ -22,6 +22,7 @@ from runtime.controller.client import (
     write_run_config,
 )
 from runtime.launcher import prepare_model
+from runtime.protocol import PauseInstances, StopRun
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -57,7 +58,7 @@ async def _idle_shares(run_dir: Path) -> dict[str, float]:
             TelemetrySubscriber(endpoints) as telemetry,
         ):
             await telemetry.wait_for(lambda s: s.step >= 2, 300)
-            reply = await control.request("pause_instance", ids=[0])
+            reply = await control.request(PauseInstances(ids=[0]))
             assert reply.ok, reply
             await telemetry.wait_for(
                 lambda s: (
@@ -79,7 +80,7 @@ async def _idle_shares(run_dir: Path) -> dict[str, float]:
                 for p in processes
                 if p.pid in before and p.pid in after
             }
-            await control.request("stop")
+            await control.request(StopRun())
         await controller.wait(timeout=120)
         return shares
     finally:

@@ -4,7 +4,7 @@ Everything a client needs is in the run directory's ``endpoints.json``::
 
     endpoints = RunDir(run_dir).read_endpoints()        # or wait_for_endpoints(run_dir)
     async with ControlClient(endpoints) as control:
-        reply = await control.request("set_lag_bound", value=0)   # -> protocol.CommandReply
+        reply = await control.request(SetLagBound(value=0))       # -> protocol.CommandReply
         snapshot = await control.status()                          # -> protocol.Snapshot
     async with TelemetrySubscriber(endpoints) as telemetry:
         async for message in telemetry:                            # Snapshot | Event
@@ -44,7 +44,10 @@ from runtime.protocol import (
     Encoder,
     Event,
     FrameGuard,
+    HistoryCmd,
+    HistoryReply,
     Snapshot,
+    StatusCmd,
 )
 from runtime.rundir import Endpoints, RunDir
 from runtime.transport import connect
@@ -84,41 +87,39 @@ class ControlClient:
         self._waiting: dict[int, asyncio.Future[CommandReply]] = {}
         self._reader: asyncio.Task | None = None
 
-    async def request(self, name: str, timeout_s: float | None = None, **args: Any) -> CommandReply:
-        """Send ``name`` with ``args`` and wait for its reply (``ControllerUnavailable`` after
-        ``timeout_s``). A refused command is a reply with ``ok=False``, not an exception."""
+    async def request(self, command: Command, timeout_s: float | None = None) -> CommandReply:
+        """Send ``command`` (its ``request_id`` is set here) and wait for its reply
+        (``ControllerUnavailable`` after ``timeout_s``). A refused command is a reply with
+        ``ok=False``, not an exception."""
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
         request_id = next(self._ids)
         future: asyncio.Future[CommandReply] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
-        await self.sock.send_multipart(
-            self.encoder.encode(Command(request_id=request_id, name=name, args=args))
-        )
+        command = msgspec.structs.replace(command, request_id=request_id)
+        await self.sock.send_multipart(self.encoder.encode(command))
         try:
             return await asyncio.wait_for(future, timeout_s or self.timeout_s)
         except TimeoutError:
             raise ControllerUnavailable(
-                f"no reply to {name!r} from {self.endpoints.control} within "
+                f"no reply to {command.name!r} from {self.endpoints.control} within "
                 f"{timeout_s or self.timeout_s:.0f}s"
             ) from None
         finally:
             self._waiting.pop(request_id, None)
 
     async def status(self) -> Snapshot:
-        reply = await self.request("status")
+        reply = await self.request(StatusCmd())
         if not reply.ok:
             raise RuntimeError(f"status refused: {reply.reason}")
         return msgspec.convert(reply.data, Snapshot)
 
     async def history(self, limit: int | None = None) -> tuple[list[Snapshot], list[Event]]:
-        reply = await (self.request("history", limit=limit) if limit else self.request("history"))
+        reply = await self.request(HistoryCmd(limit=limit))
         if not reply.ok:
             raise RuntimeError(f"history refused: {reply.reason}")
-        return (
-            msgspec.convert(reply.data["snapshots"], list[Snapshot]),
-            msgspec.convert(reply.data["events"], list[Event]),
-        )
+        history = msgspec.convert(reply.data, HistoryReply)
+        return history.snapshots, history.events
 
     async def _read(self) -> None:
         while True:
@@ -363,12 +364,11 @@ def write_run_config(run_dir: str | Path, config: Any) -> RunDir:
 
 def send_command(
     endpoints: Endpoints,
-    name: str,
+    command: Command,
     *,
     timeout_s: float = 10.0,
     role: Role = Role.OPERATOR,
     key: KeyPair | None = None,
-    **args: Any,
 ) -> CommandReply:
     """Blocking one-shot command (for CLIs and scripts): the reply, or ``ControllerUnavailable``
     when nothing answers within ``timeout_s`` (a client whose key is refused hears nothing)."""
@@ -379,7 +379,7 @@ def send_command(
         ctx.term()
         raise
     try:
-        sock.send_multipart(Encoder().encode(Command(request_id=1, name=name, args=args)))
+        sock.send_multipart(Encoder().encode(msgspec.structs.replace(command, request_id=1)))
         guard = FrameGuard("control-client", Decoder(CommandReply))
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
@@ -389,7 +389,7 @@ def send_command(
             if reply is not None and reply.request_id == 1:
                 return reply
         raise ControllerUnavailable(
-            f"no reply to {name!r} from {endpoints.control} within {timeout_s:.0f}s"
+            f"no reply to {command.name!r} from {endpoints.control} within {timeout_s:.0f}s"
         )
     finally:
         sock.close(0)

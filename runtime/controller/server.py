@@ -57,7 +57,6 @@ ROLLOUT_TYPES = (
     P.WorkerHello | P.Heartbeat | P.GroupDone | P.GroupAborted | P.GroupFailed | P.WorkerAck
 )
 TRAINER_TYPES = P.TrainerHello | P.BatchRequest | P.StepDone
-CONTROL_TYPES = P.Command
 
 
 @dataclass
@@ -187,12 +186,10 @@ class Controller:
 
         self.guards = {
             name: P.FrameGuard(name, P.Decoder(t))
-            for name, t in (
-                ("rollout", ROLLOUT_TYPES),
-                ("trainer", TRAINER_TYPES),
-                ("control", CONTROL_TYPES),
-            )
+            for name, t in (("rollout", ROLLOUT_TYPES), ("trainer", TRAINER_TYPES))
         }
+        # A malformed command still gets a reply that says what was wrong (InvalidCommand).
+        self.guards["control"] = P.FrameGuard("control", P.CommandDecoder())
         self.encoder = P.Encoder()
         self.ctx: zmq.asyncio.Context | None = None
         self.sockets: Any = None
@@ -621,7 +618,9 @@ class Controller:
                 # A bug while handling one message must not take the run down silently.
                 log.exception("error handling %s on %s", type(msg).__name__, name)
 
-    def _may_command(self, frame: zmq.Frame, identity: bytes, msg: P.Command) -> bool:
+    def _may_command(
+        self, frame: zmq.Frame, identity: bytes, msg: P.Command | P.InvalidCommand
+    ) -> bool:
         """Whether the client's key (its ZAP User-Id) has, now, a role that may send ``msg``; a
         refusal is answered, counted and reported like a refused connection."""
         public_key = frame.get("User-Id") or ""
@@ -1546,7 +1545,7 @@ class Controller:
             )
 
     # ============================================================================ control plane
-    def _on_control(self, identity: bytes, msg: P.Command) -> None:
+    def _on_control(self, identity: bytes, msg: P.Command | P.InvalidCommand) -> None:
         reply = commands.handle(self, msg)
         # Stamped when it took effect, before the reply can reach the client.
         handled_at = time.time()
