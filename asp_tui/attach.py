@@ -17,7 +17,7 @@ from typing import TextIO
 import msgspec
 
 from asp_tui.format import once_text
-from asp_tui.link import ControllerLink, LinkError, read_endpoints, resolve_target
+from asp_tui.link import LinkError, LiveLink, read_endpoints, resolve_target
 from runtime.auth import Role
 from runtime.protocol import Snapshot, StatusCmd, StopRun
 
@@ -29,8 +29,8 @@ def _error(command: str, text: str, stream: TextIO | None = None) -> int:
     return EXIT_BAD_TARGET
 
 
-def _link(target: str | Path, role: Role, key_file: str | None) -> ControllerLink:
-    return ControllerLink(resolve_target(target), role=role, key_file=key_file)
+def _link(target: str | Path, role: Role, key_file: str | None) -> LiveLink:
+    return LiveLink(resolve_target(target), role=role, key_file=key_file)
 
 
 def _run_settings(endpoints_path: Path) -> tuple[float, int]:
@@ -72,7 +72,7 @@ def attach(
     return app.return_code or EXIT_OK
 
 
-async def fetch_status(link: ControllerLink, timeout: float) -> Snapshot:
+async def fetch_status(link: LiveLink, timeout: float) -> Snapshot:
     """One ``status`` round trip; raises ``LinkError`` with what to do when it fails."""
     try:
         await link.open()
@@ -148,7 +148,7 @@ def stop_run(
     for it to exit."""
     try:
         endpoints_path = resolve_target(target)
-        link = ControllerLink(endpoints_path, role=Role.OPERATOR, key_file=key_file)
+        link = LiveLink(endpoints_path, role=Role.OPERATOR, key_file=key_file)
         pid = read_endpoints(endpoints_path).controller_pid
     except (FileNotFoundError, ValueError) as exc:
         return _error("stop", str(exc))

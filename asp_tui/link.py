@@ -1,6 +1,6 @@
 """How the dashboard reaches a controller: one small interface, two implementations.
 
-``ControllerLink`` wraps the runtime's UI-free ``ControlClient`` and ``TelemetrySubscriber``
+``LiveLink`` wraps the runtime's UI-free ``ControlClient`` and ``TelemetrySubscriber``
 (``runtime/controller/client.py``) and re-reads ``endpoints.json`` on every (re)connect, because a
 restarted controller may bind new ports. ``FixedLink`` replays fixed snapshots with no sockets:
 it makes snapshot tests deterministic and lets ``bench/dashboard.py`` time a render tick alone.
@@ -76,7 +76,7 @@ def read_endpoints(path: Path) -> Endpoints:
         raise ValueError(f"{path}: unreadable endpoints file ({exc})") from None
 
 
-class ControllerLink:
+class LiveLink:
     """A live controller, found through ``endpoints.json``, as ``role`` (operator, or viewer
     for a read-only dashboard) with the key in ``key_file`` or the default of
     ``auth.client_key``."""

@@ -26,8 +26,8 @@ from runtime.auth import Role
 from runtime.config import load_config
 from runtime.controller.client import (
     ControlClient,
+    ControllerProcess,
     TelemetrySubscriber,
-    start_controller,
     write_run_config,
 )
 from runtime.controller.ledger import verify_ledger
@@ -95,7 +95,7 @@ def _send_garbage(endpoints: Any) -> None:
 
 
 async def _scenario(run_dir: RunDir, observed: Observed) -> None:
-    controller = start_controller(run_dir.root)
+    controller = ControllerProcess(run_dir.root)
     try:
         endpoints = await controller.wait_ready(timeout=60)
         async with (
@@ -146,9 +146,7 @@ async def _scenario(run_dir: RunDir, observed: Observed) -> None:
             observed.replies["stop"] = await control.request(StopRun())
         observed.exit_code = await controller.wait(timeout=120)
     finally:
-        if controller.proc.poll() is None:
-            controller.kill()
-        controller.log.close()
+        controller.kill()  # a no-op once it has exited
 
 
 @pytest.fixture(scope="module")

@@ -17,8 +17,8 @@ import pytest
 from runtime.config import load_config
 from runtime.controller.client import (
     ControlClient,
+    ControllerProcess,
     TelemetrySubscriber,
-    start_controller,
     write_run_config,
 )
 from runtime.launcher import prepare_model
@@ -50,7 +50,7 @@ def _describe(process: psutil.Process) -> str:
 
 
 async def _idle_shares(run_dir: Path) -> dict[str, float]:
-    controller = start_controller(run_dir)
+    controller = ControllerProcess(run_dir)
     try:
         endpoints = await controller.wait_ready(timeout=60)
         async with (
@@ -84,9 +84,7 @@ async def _idle_shares(run_dir: Path) -> dict[str, float]:
         await controller.wait(timeout=120)
         return shares
     finally:
-        if controller.proc.poll() is None:
-            controller.kill()
-        controller.log.close()
+        controller.kill()  # a no-op once it has exited
 
 
 def test_a_paused_pipeline_uses_under_a_tenth_of_a_core_per_process(tmp_path: Path) -> None:

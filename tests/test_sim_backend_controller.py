@@ -14,8 +14,8 @@ import psutil
 from runtime.config import load_config
 from runtime.controller.client import (
     ControlClient,
+    ControllerProcess,
     TelemetrySubscriber,
-    start_controller,
     write_run_config,
 )
 from runtime.controller.ledger import verify_ledger
@@ -45,7 +45,7 @@ async def test_sim8_trains_under_the_real_controller(tmp_path: Path) -> None:
         run_dir=tmp_path / "sim-8",
     )
     rd = write_run_config(config.run_dir, config)
-    async with start_controller(rd.root) as controller:
+    async with ControllerProcess(rd.root) as controller:
         endpoints = controller.endpoints
         assert endpoints is not None
         async with TelemetrySubscriber(endpoints) as telemetry, ControlClient(endpoints) as ctl:
