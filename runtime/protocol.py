@@ -464,13 +464,7 @@ Message = (
     | Batch
     | StepDone
     | TrainerAck
-    | StatusCmd
-    | HistoryCmd
-    | SetLagBound
-    | PauseInstances
-    | ResumeInstances
-    | RestartInstances
-    | StopRun
+    | Command
     | CommandReply
     | Snapshot
     | Event
