@@ -95,12 +95,12 @@ def write_config(run_dir: Path, instances: int, hz: float) -> None:
 
 
 async def controller_cpu(instances: int, hz: float, warmup_s: float, window_s: float) -> dict:
-    from runtime.controller.client import ControllerProcess, TelemetrySubscriber
+    from runtime.controller.client import SpawnedController, TelemetrySubscriber
 
     with tempfile.TemporaryDirectory(prefix="asp-bench-") as tmp:
         run_dir = Path(tmp)
         write_config(run_dir, instances, hz)
-        ctl = ControllerProcess(run_dir)
+        ctl = SpawnedController(run_dir)
         proc = ctl.proc
         received = 0
         snapshots = 0

@@ -115,7 +115,7 @@ def wait_for_controller(
     on_wait: Callable[[float], None] | None = None,
 ) -> Endpoints:
     """Block until the controller has bound its sockets (``RuntimeError`` if it died,
-    ``TimeoutError`` after ``timeout_s``). ``ControllerProcess.wait_ready`` is the asyncio
+    ``TimeoutError`` after ``timeout_s``). ``SpawnedController.wait_ready`` is the asyncio
     version."""
     started = time.monotonic()
     while (endpoints := controller_ready(run_dir, process)) is None:

@@ -23,8 +23,8 @@ from runtime.auth import Role
 from runtime.config import load_config
 from runtime.controller.client import (
     ControlClient,
-    ControllerProcess,
     ControllerUnavailable,
+    SpawnedController,
     TelemetrySubscriber,
     send_command,
     write_run_config,
@@ -116,7 +116,7 @@ async def test_run_to_completion_with_bounded_lag(tmp_path, eta, policy, dispatc
         f"scheduler.dispatch={dispatch}",
     )
     done = asyncio.Event()
-    async with ControllerProcess(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         watcher = asyncio.create_task(watch_children(ctl, done))
         code = await ctl.wait(120)
         done.set()
@@ -154,7 +154,7 @@ async def test_live_lag_change_2_0_1(tmp_path, mode):
         "trainer.steps=14",
         "rollout.instances=3",
     )
-    async with ControllerProcess(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         endpoints = ctl.endpoints
         async with ControlClient(endpoints) as control, TelemetrySubscriber(endpoints) as tel:
             await tel.wait_for(lambda s: s.step >= 3, timeout=90)
@@ -201,7 +201,7 @@ async def test_commands_pause_resume_and_refusals(tmp_path):
         "async.lag_bound=2",
         "task.num_prompts=96",
     )
-    async with ControllerProcess(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         endpoints = ctl.endpoints
         async with ControlClient(endpoints) as control, TelemetrySubscriber(endpoints) as tel:
             await tel.wait_for(lambda s: s.step >= 1, timeout=90)
@@ -293,7 +293,7 @@ async def test_commands_pause_resume_and_refusals(tmp_path):
 
 async def test_garbage_on_every_socket_is_counted_and_ignored(tmp_path):
     run_dir = make_run(tmp_path, "trainer.steps=10")
-    async with ControllerProcess(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         endpoints = ctl.endpoints
         ctx = zmq.asyncio.Context()
         try:
@@ -332,7 +332,7 @@ async def test_garbage_on_every_socket_is_counted_and_ignored(tmp_path):
 
 async def test_sigkill_of_the_backend_loses_nothing(tmp_path):
     run_dir = make_run(tmp_path, "trainer.steps=12", "async.lag_bound=1")
-    async with ControllerProcess(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         async with TelemetrySubscriber(ctl.endpoints) as tel:
             await tel.wait_for(lambda s: s.step >= 3 and s.in_flight_groups > 0, timeout=90)
             backend = [p for p in descendants(ctl.pid) if "runtime.sim.backend" in p.cmdline()]
@@ -361,7 +361,7 @@ async def test_sigkill_of_the_backend_loses_nothing(tmp_path):
 async def test_sigterm_stops_cleanly_and_the_run_resumes(tmp_path):
     run_dir = make_run(tmp_path, "trainer.steps=10")
     done = asyncio.Event()
-    async with ControllerProcess(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         watcher = asyncio.create_task(watch_children(ctl, done))
         async with TelemetrySubscriber(ctl.endpoints) as tel:
             await tel.wait_for(lambda s: s.step >= 3, timeout=90)
@@ -372,7 +372,7 @@ async def test_sigterm_stops_cleanly_and_the_run_resumes(tmp_path):
     assert_all_gone(list(children))
     first = steps_of(run_dir)
     assert 3 <= len(first) < 10
-    async with ControllerProcess(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         assert await ctl.wait(120) == 0
     steps = steps_of(run_dir)
     assert [r["step"] for r in steps] == list(range(1, 11)), "resume did not continue the steps"
@@ -385,7 +385,7 @@ async def test_no_spawn_heartbeat_timeout_marks_down_and_training_goes_on(tmp_pa
     """Workers started by someone else (one sim backend process per instance): SIGKILL of one is
     noticed by its missing heartbeats alone; its groups are requeued and the run finishes."""
     run_dir = make_run(tmp_path, "trainer.steps=10", "rollout.instances=2")
-    async with ControllerProcess(run_dir, spawn=False) as ctl:
+    async with SpawnedController(run_dir, spawn=False) as ctl:
         root = str(run_dir)
         py = sys.executable
         peers = [
@@ -422,7 +422,7 @@ async def test_no_spawn_heartbeat_timeout_marks_down_and_training_goes_on(tmp_pa
 async def test_epochs_roll_over_without_duplicates(tmp_path):
     # 6 prompts, 4 groups per step, 8 steps: 32 groups consumed, so at least 5 epochs.
     run_dir = make_run(tmp_path, "task.num_prompts=6", "trainer.steps=8", "async.lag_bound=1")
-    async with ControllerProcess(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         assert await ctl.wait(120) == 0
     records = read_jsonl(RunDir(run_dir).ledger)
     epochs = {r["epoch"] for r in records if r.get("event") == "dispatched"}
@@ -436,7 +436,7 @@ async def test_epochs_roll_over_without_duplicates(tmp_path):
 async def test_trainer_death_fails_the_run_and_reaps_everything(tmp_path):
     run_dir = make_run(tmp_path, "trainer.steps=400")
     done = asyncio.Event()
-    async with ControllerProcess(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         watcher = asyncio.create_task(watch_children(ctl, done))
         async with TelemetrySubscriber(ctl.endpoints) as tel:
             await tel.wait_for(lambda s: s.step >= 2, timeout=90)
@@ -453,7 +453,7 @@ async def test_trainer_death_fails_the_run_and_reaps_everything(tmp_path):
 
 async def test_restart_instance_command_restarts_and_resyncs(tmp_path):
     run_dir = make_run(tmp_path, "trainer.steps=400")
-    async with ControllerProcess(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         async with (
             ControlClient(ctl.endpoints) as control,
             TelemetrySubscriber(ctl.endpoints) as tel,
@@ -504,7 +504,7 @@ def test_cli_errors_exit_2(tmp_path):
 async def test_no_instance_left_fails_the_run(tmp_path):
     run_dir = make_run(tmp_path, "trainer.steps=400", "rollout.restart.max_restarts=0")
     done = asyncio.Event()
-    async with ControllerProcess(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         watcher = asyncio.create_task(watch_children(ctl, done))
         async with TelemetrySubscriber(ctl.endpoints) as tel:
             await tel.wait_for(lambda s: s.step >= 1, timeout=90)
@@ -521,7 +521,7 @@ async def test_no_instance_left_fails_the_run(tmp_path):
 
 async def test_operator_restart_supersedes_the_backoff(tmp_path):
     run_dir = make_run(tmp_path, "trainer.steps=400", "rollout.restart.backoff_initial_s=20")
-    async with ControllerProcess(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         async with (
             ControlClient(ctl.endpoints) as control,
             TelemetrySubscriber(ctl.endpoints) as tel,

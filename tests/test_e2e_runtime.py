@@ -26,7 +26,7 @@ from runtime.auth import Role
 from runtime.config import load_config
 from runtime.controller.client import (
     ControlClient,
-    ControllerProcess,
+    SpawnedController,
     TelemetrySubscriber,
     write_run_config,
 )
@@ -95,7 +95,7 @@ def _send_garbage(endpoints: Any) -> None:
 
 
 async def _scenario(run_dir: RunDir, observed: Observed) -> None:
-    controller = ControllerProcess(run_dir.root)
+    controller = SpawnedController(run_dir.root)
     try:
         endpoints = await controller.wait_ready(timeout=60)
         async with (

@@ -17,7 +17,7 @@ import pytest
 from runtime.config import load_config
 from runtime.controller.client import (
     ControlClient,
-    ControllerProcess,
+    SpawnedController,
     TelemetrySubscriber,
     write_run_config,
 )
@@ -50,7 +50,7 @@ def _describe(process: psutil.Process) -> str:
 
 
 async def _idle_shares(run_dir: Path) -> dict[str, float]:
-    controller = ControllerProcess(run_dir)
+    controller = SpawnedController(run_dir)
     try:
         endpoints = await controller.wait_ready(timeout=60)
         async with (

@@ -14,7 +14,7 @@ import psutil
 from runtime.config import load_config
 from runtime.controller.client import (
     ControlClient,
-    ControllerProcess,
+    SpawnedController,
     TelemetrySubscriber,
     write_run_config,
 )
@@ -45,7 +45,7 @@ async def test_sim8_trains_under_the_real_controller(tmp_path: Path) -> None:
         run_dir=tmp_path / "sim-8",
     )
     rd = write_run_config(config.run_dir, config)
-    async with ControllerProcess(rd.root) as controller:
+    async with SpawnedController(rd.root) as controller:
         endpoints = controller.endpoints
         assert endpoints is not None
         async with TelemetrySubscriber(endpoints) as telemetry, ControlClient(endpoints) as ctl:

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 
 from runtime.config import load_config
-from runtime.controller.client import ControllerProcess, write_run_config
+from runtime.controller.client import SpawnedController, write_run_config
 from runtime.protocol import BUBBLE_CATEGORIES, StepMetrics
 from runtime.records import StepRecord, step_record
 from runtime.rundir import RunDir, read_jsonl
@@ -120,7 +120,7 @@ async def test_a_live_run_writes_exactly_step_records(tmp_path):
     ]
     config = load_config(ROOT / "configs" / "sim-8.yaml", overrides, run_dir=run_dir)
     write_run_config(run_dir, config)
-    async with ControllerProcess(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         assert await ctl.wait(120) == 0
     steps = [r for r in read_jsonl(RunDir(run_dir).metrics) if r.get("event") == "step"]
     assert len(steps) == 3

@@ -11,7 +11,7 @@ Everything a client needs is in the run directory's ``endpoints.json``::
             ...
         snap = await telemetry.wait_for(lambda s: s.step >= 3, timeout=60)
 
-For tests and scripts: :class:`ControllerProcess` starts a controller on a run directory
+For tests and scripts: :class:`SpawnedController` starts a controller on a run directory
 (``launcher.spawn_controller``) as a context manager that always reaps it. Garbage from the
 server side is counted in ``rejected`` and skipped, as everywhere else.
 """
@@ -255,7 +255,7 @@ def _describe(snap: Snapshot | None) -> str:
     )
 
 
-class ControllerProcess:
+class SpawnedController:
     """A controller started on ``run_dir`` (``launcher.spawn_controller``) for tests and scripts:
     ``async with`` it (its endpoints in ``.endpoints``), or ``await wait_ready()``; always
     reaped."""
@@ -302,7 +302,7 @@ class ControllerProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
-    async def __aenter__(self) -> ControllerProcess:
+    async def __aenter__(self) -> SpawnedController:
         try:
             await self.wait_ready()
         except BaseException:
