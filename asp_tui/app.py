@@ -36,7 +36,19 @@ from asp_tui.widgets.events import EventLog
 from asp_tui.widgets.header import RunHeader
 from asp_tui.widgets.instances import InstanceTable
 from asp_tui.widgets.meters import LagMeter, QueueMeter, TrainerMeter
-from runtime.protocol import CommandReply, Event, Snapshot
+from runtime.protocol import (
+    Command,
+    CommandReply,
+    Event,
+    HistoryCmd,
+    PauseInstances,
+    RestartInstances,
+    ResumeInstances,
+    SetLagBound,
+    Snapshot,
+    StatusCmd,
+    StopRun,
+)
 
 COMMAND_ACTIONS = frozenset(
     {"toggle_pause", "pause", "resume", "restart", "set_lag_bound", "lag_up", "lag_down", "stop"}
@@ -204,11 +216,11 @@ class Dashboard(App[int]):
     async def _session(self) -> None:
         """One connection: probe, backfill from the ring buffer, then follow the stream."""
         await self.link.open()
-        history = await self.link.request("history", self.command_timeout_s)
+        history = await self.link.request(HistoryCmd(), self.command_timeout_s)
         if history.ok and isinstance(history.data, dict):
             snapshots, events = self.model.backfill(history.data)
             self.post_message(msg.HistoryBackfilled(snapshots, events))
-        status = await self.link.request("status", self.command_timeout_s)
+        status = await self.link.request(StatusCmd(), self.command_timeout_s)
         if status.ok and isinstance(status.data, dict):
             self.model.apply_snapshot(_snapshot(status.data))
         self.backoff.reset()
@@ -223,7 +235,7 @@ class Dashboard(App[int]):
                 done, _ = await asyncio.wait({pending}, timeout=self.probe_after_s)
                 if not done:
                     # A SUB socket never reports a dead publisher: ask the control socket.
-                    reply = await self.link.request("status", min(1.5, self.command_timeout_s))
+                    reply = await self.link.request(StatusCmd(), min(1.5, self.command_timeout_s))
                     if reply.ok and isinstance(reply.data, dict):
                         self.model.apply_snapshot(_snapshot(reply.data))
                     continue
@@ -433,8 +445,7 @@ class Dashboard(App[int]):
             "Pause",
             "pause",
             lambda: self._send(
-                "pause_instance",
-                {"ids": ids},
+                PauseInstances(ids=ids),
                 pending=(ids, "pausing", ("paused",)),
                 on_ok=lambda reply: msg.InstancesPaused(ids),
             ),
@@ -451,8 +462,7 @@ class Dashboard(App[int]):
             "Resume",
             "resume",
             lambda: self._send(
-                "resume_instance",
-                {"ids": ids},
+                ResumeInstances(ids=ids),
                 pending=(ids, "resuming", ("running", "syncing")),
                 on_ok=lambda reply: msg.InstancesResumed(ids),
             ),
@@ -473,8 +483,7 @@ class Dashboard(App[int]):
             "Restart",
             "restart",
             lambda: self._send(
-                "restart_instance",
-                {"ids": ids},
+                RestartInstances(ids=ids),
                 pending=(ids, "restarting", ("starting", "running")),
                 on_ok=lambda reply: msg.InstancesRestarted(ids),
             ),
@@ -527,8 +536,7 @@ class Dashboard(App[int]):
             "Set bound",
             "set_lag_bound",
             lambda: self._send(
-                "set_lag_bound",
-                {"value": value},
+                SetLagBound(value=value),
                 on_ok=lambda reply: msg.LagBoundChanged(old, value),
             ),
         )
@@ -539,7 +547,7 @@ class Dashboard(App[int]):
 
         def chosen(confirmed: bool | None) -> None:
             if confirmed:
-                self._send("stop", {}, on_ok=lambda reply: msg.RunStopRequested())
+                self._send(StopRun(), on_ok=lambda reply: msg.RunStopRequested())
             else:
                 self.post_message(msg.CommandCancelled("stop"))
 
@@ -568,8 +576,7 @@ class Dashboard(App[int]):
 
     def _send(
         self,
-        name: str,
-        args: dict[str, Any],
+        command: Command,
         *,
         on_ok: Callable[[CommandReply], Message | None],
         pending: tuple[list[int], str, tuple[str, ...]] | None = None,
@@ -579,21 +586,21 @@ class Dashboard(App[int]):
             self.model.add_pending(ids, verb, targets)
             self._dirty = True
         self.run_worker(
-            partial(self._command, name, args, on_ok, pending[0] if pending else []),
+            partial(self._command, command, on_ok, pending[0] if pending else []),
             group="commands",
             exit_on_error=False,
-            description=f"command {name}",
+            description=f"command {command.name}",
         )
 
     async def _command(
         self,
-        name: str,
-        args: dict[str, Any],
+        command: Command,
         on_ok: Callable[[CommandReply], Message | None],
         pending_ids: list[int],
     ) -> None:
+        name = command.name
         try:
-            reply = await self.link.request(name, self.command_timeout_s, **args)
+            reply = await self.link.request(command, self.command_timeout_s)
         except Exception as exc:  # timeout, unreachable, zmq error: the command got no answer
             self.model.clear_pending(pending_ids)
             self._dirty = True

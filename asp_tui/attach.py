@@ -17,9 +17,9 @@ from typing import TextIO
 import msgspec
 
 from asp_tui.format import once_text
-from asp_tui.link import ControllerLink, LinkError, read_endpoints, resolve_target
+from asp_tui.link import LinkError, LiveLink, read_endpoints, resolve_target
 from runtime.auth import Role
-from runtime.protocol import Snapshot
+from runtime.protocol import Snapshot, StatusCmd, StopRun
 
 EXIT_OK, EXIT_INCOMPLETE, EXIT_BAD_TARGET = 0, 1, 2
 
@@ -29,8 +29,8 @@ def _error(command: str, text: str, stream: TextIO | None = None) -> int:
     return EXIT_BAD_TARGET
 
 
-def _link(target: str | Path, role: Role, key_file: str | None) -> ControllerLink:
-    return ControllerLink(resolve_target(target), role=role, key_file=key_file)
+def _link(target: str | Path, role: Role, key_file: str | None) -> LiveLink:
+    return LiveLink(resolve_target(target), role=role, key_file=key_file)
 
 
 def _run_settings(endpoints_path: Path) -> tuple[float, int]:
@@ -72,11 +72,11 @@ def attach(
     return app.return_code or EXIT_OK
 
 
-async def fetch_status(link: ControllerLink, timeout: float) -> Snapshot:
+async def fetch_status(link: LiveLink, timeout: float) -> Snapshot:
     """One ``status`` round trip; raises ``LinkError`` with what to do when it fails."""
     try:
         await link.open()
-        reply = await link.request("status", timeout)
+        reply = await link.request(StatusCmd(), timeout)
     except LinkError:
         raise  # already says where and why
     except (TimeoutError, OSError) as exc:
@@ -148,7 +148,7 @@ def stop_run(
     for it to exit."""
     try:
         endpoints_path = resolve_target(target)
-        link = ControllerLink(endpoints_path, role=Role.OPERATOR, key_file=key_file)
+        link = LiveLink(endpoints_path, role=Role.OPERATOR, key_file=key_file)
         pid = read_endpoints(endpoints_path).controller_pid
     except (FileNotFoundError, ValueError) as exc:
         return _error("stop", str(exc))
@@ -157,7 +157,7 @@ def stop_run(
     async def request_stop() -> None:
         try:
             await link.open()
-            reply = await link.request("stop", 5.0)
+            reply = await link.request(StopRun(), 5.0)
         except LinkError:
             raise
         except (TimeoutError, OSError) as exc:

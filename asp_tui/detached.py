@@ -6,7 +6,7 @@ from rich.console import Console
 
 from asp_tui.headless import prepare_model_with_status, print_resource_plan
 from runtime.config import Config
-from runtime.launcher import RunAlreadyLive, prepare_run, start_controller, wait_for_endpoints
+from runtime.launcher import RunAlreadyLive, prepare_run, spawn_controller, wait_for_controller
 
 
 def start_and_attach(config: Config, *, readonly: bool, render_hz: float | None = None) -> int:
@@ -21,8 +21,8 @@ def start_and_attach(config: Config, *, readonly: bool, render_hz: float | None 
         console.print(f"a run is already live in {config.run_dir}: attaching")
         return attach(str(config.run_dir), readonly=readonly, render_hz=render_hz)
     prepare_model_with_status(config, console)
-    process = start_controller(run_dir)
+    process = spawn_controller(run_dir)
     with console.status("starting the controller (it keeps running when you detach)"):
-        wait_for_endpoints(run_dir, process)
+        wait_for_controller(run_dir, process)
     console.print(f"run started in {run_dir.root}; `asp-tui stop {run_dir.root}` stops it")
     return attach(str(run_dir.root), readonly=readonly, render_hz=render_hz)

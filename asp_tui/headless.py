@@ -13,8 +13,8 @@ from runtime.launcher import (
     prepare_model,
     prepare_run,
     request_stop,
-    start_controller,
-    wait_for_endpoints,
+    spawn_controller,
+    wait_for_controller,
 )
 from runtime.protocol import EventKind
 from runtime.resources import plan_resources
@@ -64,11 +64,11 @@ def run_headless(config: Config) -> int:
     run_dir = prepare_run(config)
     console.print(f"run [bold]{config.run.name}[/] in {run_dir.root}")
     prepare_model_with_status(config, console)
-    process = start_controller(run_dir)
+    process = spawn_controller(run_dir)
     printer = _RecordPrinter(run_dir, config.trainer.steps, console)
     try:
         with console.status("starting the controller, rollout instances and trainer"):
-            wait_for_endpoints(run_dir, process)
+            wait_for_controller(run_dir, process)
         printer.follow(process)
     except KeyboardInterrupt:
         console.print("stopping: waiting for the final checkpoint and every process to exit")

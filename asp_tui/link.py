@@ -1,6 +1,6 @@
 """How the dashboard reaches a controller: one small interface, two implementations.
 
-``ControllerLink`` wraps the runtime's UI-free ``ControlClient`` and ``TelemetrySubscriber``
+``LiveLink`` wraps the runtime's UI-free ``ControlClient`` and ``TelemetrySubscriber``
 (``runtime/controller/client.py``) and re-reads ``endpoints.json`` on every (re)connect, because a
 restarted controller may bind new ports. ``FixedLink`` replays fixed snapshots with no sockets:
 it makes snapshot tests deterministic and lets ``bench/dashboard.py`` time a render tick alone.
@@ -17,7 +17,15 @@ from typing import Any, Protocol
 import msgspec
 
 from runtime.auth import KeyPair, Role, client_key
-from runtime.protocol import CommandReply, Event, Snapshot
+from runtime.protocol import (
+    Command,
+    CommandReply,
+    Event,
+    HistoryCmd,
+    HistoryReply,
+    Snapshot,
+    StatusCmd,
+)
 from runtime.rundir import Endpoints, RunDir
 
 
@@ -38,7 +46,7 @@ class TelemetryLink(Protocol):
     def stream(self) -> AsyncIterator[Snapshot | Event]:
         """Snapshots and events as they are published."""
 
-    async def request(self, name: str, timeout: float, **args: Any) -> CommandReply:
+    async def request(self, command: Command, timeout: float) -> CommandReply:
         """One command; raises ``LinkError`` or ``TimeoutError`` when there is no answer."""
 
     async def close(self) -> None:
@@ -68,7 +76,7 @@ def read_endpoints(path: Path) -> Endpoints:
         raise ValueError(f"{path}: unreadable endpoints file ({exc})") from None
 
 
-class ControllerLink:
+class LiveLink:
     """A live controller, found through ``endpoints.json``, as ``role`` (operator, or viewer
     for a read-only dashboard) with the key in ``key_file`` or the default of
     ``auth.client_key``."""
@@ -108,7 +116,7 @@ class ControllerLink:
         self._telemetry = TelemetrySubscriber(endpoints, role=self.role, key=key)
         self._control = ControlClient(endpoints, role=self.role, key=key)
         try:
-            await self.request("status", self.probe_timeout_s)
+            await self.request(StatusCmd(), self.probe_timeout_s)
         except TimeoutError:
             await self.close()
             raise LinkError(
@@ -128,11 +136,11 @@ class ControllerLink:
             raise LinkError("not connected")
         return aiter(self._telemetry)
 
-    async def request(self, name: str, timeout: float, **args: Any) -> CommandReply:
+    async def request(self, command: Command, timeout: float) -> CommandReply:
         if self._control is None:
             raise LinkError("not connected to the controller")
         # ControllerUnavailable (no reply in time) is a TimeoutError.
-        return await self._control.request(name, timeout_s=timeout, **args)
+        return await self._control.request(command, timeout_s=timeout)
 
     async def close(self) -> None:
         for client in (self._telemetry, self._control):
@@ -185,14 +193,12 @@ class FixedLink:
         if not self.drop_after_items:
             await asyncio.Event().wait()
 
-    async def request(self, name: str, timeout: float, **args: Any) -> CommandReply:
-        self.requests.append((name, args))
-        if name == "history":
-            data = {
-                "snapshots": [msgspec.to_builtins(s) for s in self.history],
-                "events": [msgspec.to_builtins(e) for e in self.history_events],
-            }
-            return CommandReply(request_id=0, ok=True, data=data)
+    async def request(self, command: Command, timeout: float) -> CommandReply:
+        self.requests.append((command.name, command.args))
+        if isinstance(command, HistoryCmd):
+            data = HistoryReply(snapshots=self.history, events=self.history_events)
+            # As it would arrive over the wire: plain data.
+            return CommandReply(request_id=0, ok=True, data=msgspec.to_builtins(data))
         return CommandReply(request_id=0, ok=False, reason="fixed snapshot: no controller to act")
 
     async def close(self) -> None:

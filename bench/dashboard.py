@@ -95,23 +95,17 @@ def write_config(run_dir: Path, instances: int, hz: float) -> None:
 
 
 async def controller_cpu(instances: int, hz: float, warmup_s: float, window_s: float) -> dict:
-    from runtime.controller.client import TelemetrySubscriber, wait_for_endpoints
+    from runtime.controller.client import SpawnedController, TelemetrySubscriber
 
     with tempfile.TemporaryDirectory(prefix="asp-bench-") as tmp:
         run_dir = Path(tmp)
         write_config(run_dir, instances, hz)
-        started = time.time()
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.controller", "--run-dir", str(run_dir)],
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=REPO,
-        )
+        ctl = SpawnedController(run_dir)
+        proc = ctl.proc
         received = 0
         snapshots = 0
         try:
-            endpoints = await wait_for_endpoints(run_dir, 60, newer_than=started - 1, process=proc)
+            endpoints = await ctl.wait_ready(60)
             controller = psutil.Process(proc.pid)
             async with TelemetrySubscriber(endpoints) as subscriber:
 

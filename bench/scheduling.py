@@ -34,7 +34,7 @@ from rich.table import Table
 from runtime.protocol import BUBBLE_CATEGORIES
 from runtime.scheduler import CostModel, GroupSpec, InstanceSpec, make_scheduler
 from runtime.scheduler.lengths import read_lengths
-from runtime.sim.engine import compare
+from runtime.sim.compare import compare
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "lengths"
 TRACES = {

@@ -23,7 +23,7 @@ from rich.console import Console
 from rich.table import Table
 
 from runtime.config import Config, load_config
-from runtime.controller.client import start_controller, write_run_config
+from runtime.controller.client import SpawnedController, write_run_config
 from runtime.launcher import prepare_model
 from runtime.protocol import BUBBLE_CATEGORIES
 from runtime.rollout.bench import compare_worker_to_bare_llm
@@ -33,7 +33,7 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 async def _run(config: Config) -> int:
-    async with start_controller(config.run_dir) as controller:
+    async with SpawnedController(config.run_dir) as controller:
         return await controller.wait(timeout=3600)
 
 

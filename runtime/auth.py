@@ -36,6 +36,8 @@ import zmq.asyncio
 import zmq.auth
 from zmq.utils import z85
 
+from runtime.protocol import COMMAND_TYPES
+
 log = logging.getLogger(__name__)
 
 ZAP_ENDPOINT = "inproc://zeromq.zap.01"
@@ -59,8 +61,8 @@ PLANE_ROLES: dict[str, frozenset[Role]] = {
 }
 """The sockets (ZAP domains) each role may connect to."""
 
-READ_ONLY_COMMANDS = frozenset({"status", "history"})
-"""The control commands a viewer may send: queries that change nothing."""
+READ_ONLY_COMMANDS = frozenset(cmd.name for cmd in COMMAND_TYPES if cmd.read_only)
+"""The control commands a viewer may send: queries that change nothing (``status``, ``history``)."""
 
 
 def may_command(role: str, command: str) -> bool:

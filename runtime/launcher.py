@@ -70,45 +70,62 @@ def prepare_model(config: Config) -> str:
     return ensure_model(config)
 
 
-def start_controller(run_dir: RunDir) -> subprocess.Popen[bytes]:
-    """Start the controller detached from this terminal; its output goes to its log file."""
-    log = run_dir.log_file("controller").open("ab")
-    try:
+def spawn_controller(
+    run_dir: RunDir | str | Path, *, spawn: bool = True, env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """Start ``python -m runtime.controller`` on ``run_dir`` (which holds ``config.yaml``): the one
+    way a run's controller is started. It leads its own session, detached from this terminal, and
+    its output goes to its log file. ``spawn=False`` supervises no workers or trainer (they are
+    started elsewhere); ``env`` adds to ``child_env()``."""
+    rd = run_dir if isinstance(run_dir, RunDir) else RunDir(run_dir)
+    argv = [sys.executable, "-m", "runtime.controller", "--run-dir", str(rd.root)]
+    if not spawn:
+        argv.append("--no-spawn")
+    log = rd.log_file("controller")
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("ab") as output:
         return subprocess.Popen(
-            [sys.executable, "-m", "runtime.controller", "--run-dir", str(run_dir.root)],
+            argv,
             stdin=subprocess.DEVNULL,
-            stdout=log,
+            stdout=output,
             stderr=subprocess.STDOUT,
             start_new_session=True,
-            env=child_env(),
+            env={**child_env(), **(env or {})},
         )
-    finally:
-        log.close()
 
 
-def wait_for_endpoints(
+def controller_ready(run_dir: RunDir, process: subprocess.Popen[bytes]) -> Endpoints | None:
+    """The endpoints of ``process`` once it has bound its sockets, else None; ``RuntimeError``
+    if it exited first."""
+    endpoints = live_endpoints(run_dir)
+    if endpoints is not None and endpoints.controller_pid == process.pid:
+        return endpoints
+    if process.poll() is not None:
+        raise RuntimeError(
+            f"the controller exited with code {process.returncode} before it was ready; "
+            f"see {run_dir.log_file('controller')}"
+        )
+    return None
+
+
+def wait_for_controller(
     run_dir: RunDir,
     process: subprocess.Popen[bytes],
     timeout_s: float = 120.0,
     on_wait: Callable[[float], None] | None = None,
 ) -> Endpoints:
-    """Block until the controller has bound its sockets (or died, or timed out)."""
+    """Block until the controller has bound its sockets (``RuntimeError`` if it died,
+    ``TimeoutError`` after ``timeout_s``). ``SpawnedController.wait_ready`` is the asyncio
+    version."""
     started = time.monotonic()
-    while True:
-        endpoints = live_endpoints(run_dir)
-        if endpoints is not None and endpoints.controller_pid == process.pid:
-            return endpoints
-        if process.poll() is not None:
-            raise RuntimeError(
-                f"the controller exited with code {process.returncode} before it was ready; "
-                f"see {run_dir.log_file('controller')}"
-            )
+    while (endpoints := controller_ready(run_dir, process)) is None:
         elapsed = time.monotonic() - started
         if elapsed > timeout_s:
             raise TimeoutError(f"the controller was not ready after {timeout_s:.0f} s")
         if on_wait is not None:
             on_wait(elapsed)
         time.sleep(0.2)
+    return endpoints
 
 
 def request_stop(process: subprocess.Popen[bytes]) -> None:

@@ -11,9 +11,11 @@ from __future__ import annotations
 
 import enum
 import logging
+import re
+import typing
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
+from typing import Annotated, Any, ClassVar
 
 import msgspec
 import numpy as np
@@ -208,35 +210,6 @@ class TrainerAck(_Message):
     detail: str = ""
 
 
-# --- control plane: controller ROUTER <-> asp-tui / CLI DEALER --------------------------------
-
-
-class Command(_Message):
-    """An operator command. ``name`` is one of COMMANDS."""
-
-    request_id: int
-    name: str
-    args: dict[str, Any] = {}
-
-
-class CommandReply(_Message):
-    request_id: int
-    ok: bool
-    reason: str = ""
-    data: Any = None
-
-
-COMMANDS = (
-    "status",
-    "history",
-    "set_lag_bound",
-    "pause_instance",
-    "resume_instance",
-    "restart_instance",
-    "stop",
-)
-
-
 # --- telemetry plane: controller PUB -> asp-tui SUB (topics b"snapshot", b"event") ------------
 
 BUBBLE_CATEGORIES = ("useful", "padding", "skewness", "sorting", "sync", "paused", "down", "idle")
@@ -337,6 +310,140 @@ class Event(_Message):
     """An ``EventKind`` value."""
     message: str
     data: dict[str, Any] = {}
+
+
+# --- control plane: controller ROUTER <-> asp-tui / CLI DEALER --------------------------------
+
+
+class _Command(_Message, forbid_unknown_fields=True):
+    """An operator command. Its tag (``name``: ``"set_lag_bound"``, ...) is what the wire, the
+    role check (``auth.may_command``) and ``metrics.jsonl`` call it; ``request_id`` is set by the
+    client that sends it (``ControlClient.request``) and matches the reply to the request."""
+
+    request_id: int = 0
+    name: ClassVar[str] = ""
+    """The tag; set for every command class below."""
+    read_only: ClassVar[bool] = False
+    """A viewer may send it (it changes nothing)."""
+    reply: ClassVar[Any] = None
+    """The type of ``CommandReply.data`` when the command succeeds (None: no data)."""
+
+    @property
+    def args(self) -> dict[str, Any]:
+        """The arguments as plain data (for logs and ``metrics.jsonl``)."""
+        out = msgspec.to_builtins(self)
+        return {k: v for k, v in out.items() if k not in ("type", "request_id")}
+
+
+class LagBoundReply(msgspec.Struct, kw_only=True):
+    """What ``set_lag_bound`` did to the governor."""
+
+    lag_bound: int
+    pending_lag_bound: int | None
+    """A lowered bound that waits for in-flight work (``on_lag_decrease: wait``)."""
+    on_lag_decrease: str
+
+
+class InstancesReply(msgspec.Struct, kw_only=True):
+    """The instances a pause, resume or restart acted on."""
+
+    ids: list[int]
+
+
+class HistoryReply(msgspec.Struct, kw_only=True):
+    """The controller's recent snapshots and events, oldest first."""
+
+    snapshots: list[Snapshot]
+    events: list[Event]
+
+
+_InstanceIds = Annotated[
+    list[int], msgspec.Meta(min_length=1, description="a non-empty list of instance ids")
+]
+
+
+class StatusCmd(_Command, tag="status", kw_only=True):
+    """The latest snapshot."""
+
+    read_only = True
+    reply = Snapshot
+
+
+class HistoryCmd(_Command, tag="history", kw_only=True):
+    """Recent snapshots and events (for a dashboard that attaches mid-run)."""
+
+    read_only = True
+    reply = HistoryReply
+    limit: Annotated[int, msgspec.Meta(ge=1, description="a positive integer")] | None = None
+    """At most this many of each (None: all the controller keeps)."""
+
+
+class SetLagBound(_Command, tag="set_lag_bound", kw_only=True):
+    """Change the lag bound; a decrease follows ``async.on_lag_decrease``."""
+
+    reply = LagBoundReply
+    value: Annotated[int, msgspec.Meta(ge=0, description="an integer 0..async.max_lag_bound")]
+
+
+class PauseInstances(_Command, tag="pause_instance", kw_only=True):
+    """Stop dispatching to these instances; their in-flight groups finish."""
+
+    reply = InstancesReply
+    ids: _InstanceIds
+
+
+class ResumeInstances(_Command, tag="resume_instance", kw_only=True):
+    """Dispatch to these operator-paused instances again."""
+
+    reply = InstancesReply
+    ids: _InstanceIds
+
+
+class RestartInstances(_Command, tag="restart_instance", kw_only=True):
+    """Restart these instances' worker processes (their groups are re-queued)."""
+
+    reply = InstancesReply
+    ids: _InstanceIds
+
+
+class StopRun(_Command, tag="stop", kw_only=True):
+    """Final checkpoint, then every process exits."""
+
+
+Command = (
+    StatusCmd
+    | HistoryCmd
+    | SetLagBound
+    | PauseInstances
+    | ResumeInstances
+    | RestartInstances
+    | StopRun
+)
+"""Every operator command (the control socket decodes these with ``CommandDecoder``)."""
+COMMAND_TYPES: tuple[type[_Command], ...] = typing.get_args(Command)
+for _cls in COMMAND_TYPES:
+    _cls.name = _cls.__struct_config__.tag
+COMMANDS = tuple(cls.name for cls in COMMAND_TYPES)
+COMMAND_BY_NAME = dict(zip(COMMANDS, COMMAND_TYPES, strict=True))
+
+
+class CommandReply(_Message):
+    request_id: int
+    ok: bool
+    reason: str = ""
+    data: Any = None
+    """On success, the command's ``reply`` type (plain data once it has crossed the wire:
+    ``msgspec.convert(reply.data, SetLagBound.reply)`` types it again)."""
+
+
+class InvalidCommand(msgspec.Struct, kw_only=True):
+    """A command the control socket could not accept (unknown name, wrong or missing field); never
+    sent. It still has the sender's ``request_id``, so the refusal ``reason`` reaches the sender."""
+
+    request_id: int
+    name: str
+    args: dict[str, Any]
+    reason: str
 
 
 Message = (
@@ -441,6 +548,113 @@ class Decoder:
         if any(dim < 0 for dim in shape) or count * dtype.itemsize != len(buffer):
             raise ValueError(f"frame of {len(buffer)} bytes does not hold {dtype_str}{shape}")
         return np.frombuffer(buffer, dtype=dtype).reshape(shape)
+
+
+class CommandDecoder(Decoder):
+    """The control socket's decoder: a typed ``Command``, or an ``InvalidCommand`` whose reason
+    says which field was wrong, how, and what is allowed. Only a frame that is no command at all
+    (not a mapping, no integer ``request_id``) is a ``ProtocolError``: nobody to answer."""
+
+    def __init__(self) -> None:
+        super().__init__(dict[str, Any])
+
+    def decode(self, frames: Sequence[Any]) -> Command | InvalidCommand:
+        return parse_command(super().decode(frames))
+
+
+def parse_command(raw: dict[str, Any]) -> Command | InvalidCommand:
+    """A decoded mapping -> its command, or an ``InvalidCommand`` that explains the problem."""
+    request_id = raw.get("request_id")
+    if not isinstance(request_id, int) or isinstance(request_id, bool):
+        raise ProtocolError(f"command without an integer request_id: {request_id!r}")
+    name = raw.get("type")
+    args = {k: v for k, v in raw.items() if k not in ("type", "request_id")}
+    cls = COMMAND_BY_NAME.get(name) if isinstance(name, str) else None
+    if cls is None:
+        reason = f"unknown command {name!r} (allowed: {', '.join(COMMANDS)})"
+        return InvalidCommand(request_id=request_id, name=str(name), args=args, reason=reason)
+    try:
+        return msgspec.convert(raw, cls)
+    except msgspec.ValidationError as exc:
+        reason = explain_invalid(cls, args, str(exc))
+        return InvalidCommand(request_id=request_id, name=cls.name, args=args, reason=reason)
+
+
+_KINDS = {
+    "int": "an integer",
+    "float": "a number",
+    "str": "a string",
+    "bool": "true or false",
+    "array": "a list",
+    "object": "a mapping",
+    "null": "null",
+}
+_AT = re.compile(r"^(?P<what>.*?)(?: - at `\$(?P<path>[^`]*)`)?$")
+_FIELD = re.compile(r"`(?P<field>[^`]+)`")
+_WRONG_TYPE = re.compile(r"^Expected `(?P<kinds>[^`]+)`, got `[^`]+`$")
+_BOUND = re.compile(r"^Expected `[^`]+` (?P<op>[<>]=?) (?P<limit>\S+)$")
+_LENGTH = re.compile(r"^Expected `[^`]+` of length (?P<op>[<>]=?) (?P<limit>\d+)$")
+
+
+def explain_invalid(cls: type[_Command], args: dict[str, Any], error: str) -> str:
+    """msgspec's validation error for command ``cls`` -> which field, what was wrong, what is
+    allowed (from the field's ``Meta(description=...)``)."""
+    fields = {f.name: f for f in msgspec.structs.fields(cls) if f.name != "request_id"}
+    at = _AT.match(error)
+    assert at is not None  # the pattern matches any string
+    what, path = at["what"], at["path"] or ""
+    if what.startswith("Object missing required field"):
+        field = _FIELD.search(what)
+        wanted = field["field"] if field else "?"
+        return f"{cls.name} needs {wanted}: {_allowed(fields.get(wanted))}"
+    if what.startswith("Object contains unknown field"):
+        field = _FIELD.search(what)
+        allowed = ", ".join(fields) or "no arguments"
+        return f"{cls.name}: unknown field {field['field'] if field else '?'} (allowed: {allowed})"
+    top = re.split(r"[.\[]", path.lstrip("."), maxsplit=1)[0]
+    value = _value_at(args, path)
+    if wrong := _WRONG_TYPE.match(what):
+        kinds = " or ".join(_KINDS.get(k, k) for k in wrong["kinds"].split(" | "))
+        problem = f"is not {kinds}"
+    elif bound := _LENGTH.match(what):
+        size = f"{len(value)} items" if isinstance(value, list | str | dict) else "a length"
+        problem = f"has {size} (must have {bound['op']} {bound['limit']})"
+    elif bound := _BOUND.match(what):
+        problem = f"is out of range (must be {bound['op']} {bound['limit']})"
+    else:
+        problem = f"is invalid ({what})"
+    return f"{cls.name}: {path.lstrip('.') or '?'}: {value!r} {problem}; allowed: " + _allowed(
+        fields.get(top)
+    )
+
+
+def _allowed(field: msgspec.structs.FieldInfo | None) -> str:
+    if field is None:
+        return "?"
+    described = [m.description for m in _metas(field.type) if m.description]
+    return described[0] if described else _type_name(field.type)
+
+
+def _metas(tp: Any) -> list[msgspec.Meta]:
+    """The ``Meta`` annotations inside a field type (``Annotated[...] | None`` included)."""
+    if typing.get_origin(tp) is Annotated:
+        return [m for m in tp.__metadata__ if isinstance(m, msgspec.Meta)]
+    return [m for arg in typing.get_args(tp) for m in _metas(arg)]
+
+
+def _type_name(tp: Any) -> str:
+    return getattr(tp, "__name__", None) or str(tp)
+
+
+def _value_at(args: dict[str, Any], path: str) -> Any:
+    """The sent value at msgspec's error path (``.ids[1]``)."""
+    value: Any = args
+    for key, index in re.findall(r"\.(\w+)|\[(\d+)\]", path):
+        try:
+            value = value[key] if key else value[int(index)]
+        except (KeyError, IndexError, TypeError):
+            return None
+    return value
 
 
 def _as_bytes(frame: Any) -> bytes | memoryview:

@@ -24,7 +24,17 @@ import zmq
 
 from runtime.auth import KeyUnavailable, Role, read_keypair
 from runtime.controller.client import ControllerUnavailable, TelemetrySubscriber, send_command
-from runtime.protocol import Completion, Encoder, GroupDone, WorkerHello
+from runtime.protocol import (
+    Command,
+    Completion,
+    Encoder,
+    GroupDone,
+    PauseInstances,
+    SetLagBound,
+    StatusCmd,
+    StopRun,
+    WorkerHello,
+)
 from runtime.rundir import RunDir
 from runtime.transport import connect
 
@@ -32,9 +42,9 @@ FAKE_REWARD = 1000.0
 """No real reward is this large: a step record that shows it means the fake group got in."""
 
 
-def _command(endpoints, key, name: str, **args) -> str:
+def _command(endpoints, key, command: Command) -> str:
     try:
-        reply = send_command(endpoints, name, timeout_s=3.0, key=key, **args)
+        reply = send_command(endpoints, command, timeout_s=3.0, key=key)
     except ControllerUnavailable:
         return "refused"
     return "ok" if reply.ok else f"denied: {reply.reason}"
@@ -93,16 +103,16 @@ def main(run_dir: str, key_file: str) -> int:
     except PermissionError:
         out["operator_secret"] = "unreadable"
     try:
-        out["default_key"] = _command(endpoints, None, "status")
+        out["default_key"] = _command(endpoints, None, StatusCmd())
     except KeyUnavailable as exc:
         out["default_key"] = f"no-key: {exc}"
     key = read_keypair(Path(key_file))
-    out["status"] = _command(endpoints, key, "status")
-    out["pause"] = _command(endpoints, key, "pause_instance", ids=[0])
-    out["set_lag_bound"] = _command(endpoints, key, "set_lag_bound", value=0)
+    out["status"] = _command(endpoints, key, StatusCmd())
+    out["pause"] = _command(endpoints, key, PauseInstances(ids=[0]))
+    out["set_lag_bound"] = _command(endpoints, key, SetLagBound(value=0))
     out["worker"] = _fake_worker(endpoints, key)
     out["telemetry"] = asyncio.run(_subscribe(endpoints, key))
-    out["stop"] = _command(endpoints, key, "stop")
+    out["stop"] = _command(endpoints, key, StopRun())
     print(json.dumps(out))
     return 0
 

@@ -13,6 +13,7 @@ import sys
 import time
 from pathlib import Path
 
+import msgspec
 import psutil
 import pytest
 import zmq
@@ -23,12 +24,20 @@ from runtime.config import load_config
 from runtime.controller.client import (
     ControlClient,
     ControllerUnavailable,
+    SpawnedController,
     TelemetrySubscriber,
     send_command,
-    start_controller,
     write_run_config,
 )
 from runtime.controller.ledger import verify_ledger
+from runtime.protocol import (
+    PauseInstances,
+    RestartInstances,
+    ResumeInstances,
+    SetLagBound,
+    StatusCmd,
+    StopRun,
+)
 from runtime.rundir import RunDir, read_jsonl
 from runtime.transport import connect
 
@@ -107,7 +116,7 @@ async def test_run_to_completion_with_bounded_lag(tmp_path, eta, policy, dispatc
         f"scheduler.dispatch={dispatch}",
     )
     done = asyncio.Event()
-    async with start_controller(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         watcher = asyncio.create_task(watch_children(ctl, done))
         code = await ctl.wait(120)
         done.set()
@@ -145,11 +154,11 @@ async def test_live_lag_change_2_0_1(tmp_path, mode):
         "trainer.steps=14",
         "rollout.instances=3",
     )
-    async with start_controller(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         endpoints = ctl.endpoints
         async with ControlClient(endpoints) as control, TelemetrySubscriber(endpoints) as tel:
             await tel.wait_for(lambda s: s.step >= 3, timeout=90)
-            reply = await control.request("set_lag_bound", value=0)
+            reply = await control.request(SetLagBound(value=0))
             assert reply.ok, reply.reason
             data = reply.data
             if mode == "abort":
@@ -157,7 +166,7 @@ async def test_live_lag_change_2_0_1(tmp_path, mode):
             else:  # old bound stays in force until nothing in flight would violate the new one
                 assert (data["lag_bound"], data["pending_lag_bound"]) in ((2, 0), (0, None))
             await tel.wait_for(lambda s: s.step >= 7 and s.lag_bound == 0, timeout=90)
-            reply = await control.request("set_lag_bound", value=1)
+            reply = await control.request(SetLagBound(value=1))
             assert reply.ok and reply.data["lag_bound"] == 1
         assert await ctl.wait(120) == 0
     steps = steps_of(run_dir)
@@ -176,6 +185,14 @@ async def test_live_lag_change_2_0_1(tmp_path, mode):
         assert pending or applied, "the decrease was neither pending nor applied"
 
 
+def _unchecked(name: str) -> msgspec.Struct:
+    """A command tagged ``name`` with no arguments, which the protocol's classes cannot make: an
+    unknown command, or a known one missing its argument."""
+    cls = msgspec.defstruct("Unchecked", [("request_id", int, 0)], tag=name, kw_only=True)
+    cls.name = name  # the client names it in a timeout message
+    return cls()
+
+
 async def test_commands_pause_resume_and_refusals(tmp_path):
     run_dir = make_run(
         tmp_path,
@@ -184,26 +201,28 @@ async def test_commands_pause_resume_and_refusals(tmp_path):
         "async.lag_bound=2",
         "task.num_prompts=96",
     )
-    async with start_controller(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         endpoints = ctl.endpoints
         async with ControlClient(endpoints) as control, TelemetrySubscriber(endpoints) as tel:
             await tel.wait_for(lambda s: s.step >= 1, timeout=90)
+            # Structs do not validate on construction, so a wrong field reaches the controller
+            # as it would from a foreign client; _unchecked builds what the protocol cannot.
             refusals = [
-                ("bogus", {}, "unknown command"),
-                ("set_lag_bound", {"value": 99}, "out of range"),
-                ("set_lag_bound", {"value": "one"}, "not an integer"),
-                ("set_lag_bound", {}, "needs"),
-                ("pause_instance", {"ids": [7]}, "unknown instance id 7"),
-                ("pause_instance", {"ids": []}, "non-empty list"),
-                ("resume_instance", {"ids": [0]}, "not paused"),
+                (_unchecked("bogus"), "unknown command"),
+                (SetLagBound(value=99), "out of range"),
+                (SetLagBound(value="one"), "not an integer"),
+                (_unchecked("set_lag_bound"), "needs"),
+                (PauseInstances(ids=[7]), "unknown instance id 7"),
+                (PauseInstances(ids=[]), "non-empty list"),
+                (ResumeInstances(ids=[0]), "not paused"),
             ]
-            for name, args, expected in refusals:
-                reply = await control.request(name, **args)
-                assert not reply.ok and expected in reply.reason, (name, reply)
+            for command, expected in refusals:
+                reply = await control.request(command)
+                assert not reply.ok and expected in reply.reason, (command, reply)
 
-            reply = await control.request("pause_instance", ids=[1])
+            reply = await control.request(PauseInstances(ids=[1]))
             assert reply.ok, reply.reason
-            again = await control.request("pause_instance", ids=[1])
+            again = await control.request(PauseInstances(ids=[1]))
             assert not again.ok and "already paused" in again.reason
             snap = await tel.wait_for(lambda s: s.instances[1].state == "paused", timeout=10)
             paused_at = snap.time
@@ -221,7 +240,7 @@ async def test_commands_pause_resume_and_refusals(tmp_path):
             ]
             assert others, "training stopped while one instance was paused"
 
-            reply = await control.request("resume_instance", ids=[1])
+            reply = await control.request(ResumeInstances(ids=[1]))
             assert reply.ok, reply.reason
             await tel.wait_for(lambda s: s.instances[1].state in ("running", "syncing"), timeout=10)
             resumed_at = time.time()
@@ -259,11 +278,11 @@ async def test_commands_pause_resume_and_refusals(tmp_path):
             snapshots, events = await control.history()
             assert snapshots and any("paused" in e.message for e in events)
 
-            reply = await asyncio.to_thread(send_command, endpoints, "stop")
+            reply = await asyncio.to_thread(send_command, endpoints, StopRun())
             assert reply.ok
         assert await ctl.wait(60) == 0
     with pytest.raises(ControllerUnavailable):
-        send_command(endpoints, "status", timeout_s=0.5)
+        send_command(endpoints, StatusCmd(), timeout_s=0.5)
     records = read_jsonl(RunDir(run_dir).metrics)
     commands = [r for r in records if r.get("event") == "command"]
     assert any(c["name"] == "pause_instance" and c["ok"] for c in commands)
@@ -274,7 +293,7 @@ async def test_commands_pause_resume_and_refusals(tmp_path):
 
 async def test_garbage_on_every_socket_is_counted_and_ignored(tmp_path):
     run_dir = make_run(tmp_path, "trainer.steps=10")
-    async with start_controller(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         endpoints = ctl.endpoints
         ctx = zmq.asyncio.Context()
         try:
@@ -313,7 +332,7 @@ async def test_garbage_on_every_socket_is_counted_and_ignored(tmp_path):
 
 async def test_sigkill_of_the_backend_loses_nothing(tmp_path):
     run_dir = make_run(tmp_path, "trainer.steps=12", "async.lag_bound=1")
-    async with start_controller(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         async with TelemetrySubscriber(ctl.endpoints) as tel:
             await tel.wait_for(lambda s: s.step >= 3 and s.in_flight_groups > 0, timeout=90)
             backend = [p for p in descendants(ctl.pid) if "runtime.sim.backend" in p.cmdline()]
@@ -342,7 +361,7 @@ async def test_sigkill_of_the_backend_loses_nothing(tmp_path):
 async def test_sigterm_stops_cleanly_and_the_run_resumes(tmp_path):
     run_dir = make_run(tmp_path, "trainer.steps=10")
     done = asyncio.Event()
-    async with start_controller(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         watcher = asyncio.create_task(watch_children(ctl, done))
         async with TelemetrySubscriber(ctl.endpoints) as tel:
             await tel.wait_for(lambda s: s.step >= 3, timeout=90)
@@ -353,7 +372,7 @@ async def test_sigterm_stops_cleanly_and_the_run_resumes(tmp_path):
     assert_all_gone(list(children))
     first = steps_of(run_dir)
     assert 3 <= len(first) < 10
-    async with start_controller(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         assert await ctl.wait(120) == 0
     steps = steps_of(run_dir)
     assert [r["step"] for r in steps] == list(range(1, 11)), "resume did not continue the steps"
@@ -366,7 +385,7 @@ async def test_no_spawn_heartbeat_timeout_marks_down_and_training_goes_on(tmp_pa
     """Workers started by someone else (one sim backend process per instance): SIGKILL of one is
     noticed by its missing heartbeats alone; its groups are requeued and the run finishes."""
     run_dir = make_run(tmp_path, "trainer.steps=10", "rollout.instances=2")
-    async with start_controller(run_dir, spawn=False) as ctl:
+    async with SpawnedController(run_dir, spawn=False) as ctl:
         root = str(run_dir)
         py = sys.executable
         peers = [
@@ -387,7 +406,7 @@ async def test_no_spawn_heartbeat_timeout_marks_down_and_training_goes_on(tmp_pa
                 peers[1].kill()
                 snap = await tel.wait_for(lambda s: s.instances[1].state == "down", timeout=15)
                 assert snap.instances[0].state in ("running", "syncing")
-                reply = await control.request("restart_instance", ids=[1])
+                reply = await control.request(RestartInstances(ids=[1]))
                 assert not reply.ok and "--no-spawn" in reply.reason
             assert await ctl.wait(120) == 0
         finally:
@@ -403,7 +422,7 @@ async def test_no_spawn_heartbeat_timeout_marks_down_and_training_goes_on(tmp_pa
 async def test_epochs_roll_over_without_duplicates(tmp_path):
     # 6 prompts, 4 groups per step, 8 steps: 32 groups consumed, so at least 5 epochs.
     run_dir = make_run(tmp_path, "task.num_prompts=6", "trainer.steps=8", "async.lag_bound=1")
-    async with start_controller(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         assert await ctl.wait(120) == 0
     records = read_jsonl(RunDir(run_dir).ledger)
     epochs = {r["epoch"] for r in records if r.get("event") == "dispatched"}
@@ -417,7 +436,7 @@ async def test_epochs_roll_over_without_duplicates(tmp_path):
 async def test_trainer_death_fails_the_run_and_reaps_everything(tmp_path):
     run_dir = make_run(tmp_path, "trainer.steps=400")
     done = asyncio.Event()
-    async with start_controller(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         watcher = asyncio.create_task(watch_children(ctl, done))
         async with TelemetrySubscriber(ctl.endpoints) as tel:
             await tel.wait_for(lambda s: s.step >= 2, timeout=90)
@@ -434,15 +453,15 @@ async def test_trainer_death_fails_the_run_and_reaps_everything(tmp_path):
 
 async def test_restart_instance_command_restarts_and_resyncs(tmp_path):
     run_dir = make_run(tmp_path, "trainer.steps=400")
-    async with start_controller(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         async with (
             ControlClient(ctl.endpoints) as control,
             TelemetrySubscriber(ctl.endpoints) as tel,
         ):
             await tel.wait_for(lambda s: s.step >= 2, timeout=90)
-            reply = await control.request("restart_instance", ids=[0])
+            reply = await control.request(RestartInstances(ids=[0]))
             assert not reply.ok and "one process" in reply.reason  # sim: all or a down one
-            reply = await control.request("restart_instance", ids=[0, 1])
+            reply = await control.request(RestartInstances(ids=[0, 1]))
             assert reply.ok, reply.reason
             restarted_at = time.time()
             snap = await tel.wait_for(
@@ -451,7 +470,7 @@ async def test_restart_instance_command_restarts_and_resyncs(tmp_path):
             )
             version = snap.weight_version
             await tel.wait_for(lambda s: s.step >= version + 2, timeout=60)
-            reply = await control.request("stop")
+            reply = await control.request(StopRun())
             assert reply.ok
         assert await ctl.wait(60) == 0
     records = read_jsonl(RunDir(run_dir).ledger)
@@ -485,7 +504,7 @@ def test_cli_errors_exit_2(tmp_path):
 async def test_no_instance_left_fails_the_run(tmp_path):
     run_dir = make_run(tmp_path, "trainer.steps=400", "rollout.restart.max_restarts=0")
     done = asyncio.Event()
-    async with start_controller(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         watcher = asyncio.create_task(watch_children(ctl, done))
         async with TelemetrySubscriber(ctl.endpoints) as tel:
             await tel.wait_for(lambda s: s.step >= 1, timeout=90)
@@ -502,7 +521,7 @@ async def test_no_instance_left_fails_the_run(tmp_path):
 
 async def test_operator_restart_supersedes_the_backoff(tmp_path):
     run_dir = make_run(tmp_path, "trainer.steps=400", "rollout.restart.backoff_initial_s=20")
-    async with start_controller(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         async with (
             ControlClient(ctl.endpoints) as control,
             TelemetrySubscriber(ctl.endpoints) as tel,
@@ -514,7 +533,7 @@ async def test_operator_restart_supersedes_the_backoff(tmp_path):
                 lambda s: all(r.state == "down" and "restart in" in r.pending for r in s.instances),
                 timeout=10,
             )
-            reply = await control.request("restart_instance", ids=[0])  # a down one is fine
+            reply = await control.request(RestartInstances(ids=[0]))  # a down one is fine
             assert reply.ok, reply.reason
             snap = await tel.wait_for(
                 lambda s: all(r.state == "running" for r in s.instances), timeout=15
@@ -522,6 +541,6 @@ async def test_operator_restart_supersedes_the_backoff(tmp_path):
             assert all(r.restarts == 1 for r in snap.instances)
             step = snap.step
             await tel.wait_for(lambda s: s.step >= step + 2, timeout=60)
-            assert await control.request("stop")
+            assert await control.request(StopRun())
         assert await ctl.wait(60) == 0
     assert verify_ledger(RunDir(run_dir).ledger).ok

@@ -21,6 +21,7 @@ from runtime.controller.governor import CONSUMED
 from runtime.controller.instances import DOWN, PAUSED, RUNNING
 from runtime.controller.ledger import Ledger, MemoryRecords, verify_records
 from runtime.controller.work import load_task
+from runtime.scheduler import make_scheduler
 
 SIM_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sim-8.yaml"
 _TASKS: dict[int, object] = {}
@@ -63,6 +64,7 @@ class Cluster:
             _TASKS[prompts],  # type: ignore[arg-type]
             clock=lambda: self.now,
             ledger=Ledger(self.ledger),
+            make_scheduler=make_scheduler,
             plan_inline=True,
         )
         # What each instance runs: group id -> (request, the weight version it started at).
@@ -186,7 +188,8 @@ class Cluster:
         self.request_batch()
 
     def command(self, name: str, **args: object) -> P.CommandReply:
-        self.feed(A.OperatorCommand(P.Command(request_id=len(self.replies), name=name, args=args)))
+        command = P.COMMAND_BY_NAME[name](request_id=len(self.replies), **args)
+        self.feed(A.OperatorCommand(command))
         return self.replies[-1]
 
     def dispatched(self) -> int:

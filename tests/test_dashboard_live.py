@@ -25,13 +25,14 @@ import pytest
 from asp_tui import messages as msg
 from asp_tui.app import Dashboard, make_app
 from asp_tui.attach import print_once, stop_run
-from asp_tui.link import ControllerLink
+from asp_tui.link import LiveLink
 from asp_tui.model import Backoff, Link
 from asp_tui.widgets.instances import InstanceTable
 from runtime.auth import Role
 from runtime.config import load_config
 from runtime.controller.client import ControlClient, write_run_config
-from runtime.protocol import Snapshot
+from runtime.launcher import spawn_controller, wait_for_controller
+from runtime.protocol import PauseInstances, Snapshot
 from runtime.rundir import RunDir
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,23 +46,8 @@ class Controller:
         self.proc: subprocess.Popen | None = None
 
     def start(self, timeout: float = 60.0) -> None:
-        started = time.time()
-        log = (self.run_dir / "controller.stdout").open("ab")
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "runtime.controller", "--run-dir", str(self.run_dir)],
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-            cwd=REPO,
-        )
-        deadline = time.monotonic() + timeout
-        while time.monotonic() < deadline:
-            assert self.proc.poll() is None, f"controller exited; see {self.run_dir}/logs"
-            with contextlib.suppress(FileNotFoundError, ValueError):
-                if RunDir(self.run_dir).read_endpoints().started_at >= started - 1:
-                    return
-            time.sleep(0.05)
-        raise TimeoutError("controller did not write endpoints.json")
+        self.proc = spawn_controller(self.run_dir)
+        wait_for_controller(RunDir(self.run_dir), self.proc, timeout_s=timeout)
 
     def alive(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
@@ -124,7 +110,7 @@ async def controller_until(run: Controller, predicate, timeout: float, what: str
 
 
 def attach_app(run: Controller, role: Role = Role.OPERATOR, **options) -> Dashboard:
-    link = ControllerLink(RunDir(run.run_dir).endpoints, role=role)
+    link = LiveLink(RunDir(run.run_dir).endpoints, role=role)
     return make_app(link, backoff=Backoff(cap_s=1.0, rng=random.Random(0)), **options)
 
 
@@ -220,7 +206,7 @@ async def test_readonly_can_neither_pause_nor_change_the_bound(controller):
         await pilot.press("p", "y", "L", "1", "enter", "y", "plus", "y")
         await pilot.pause(1.0)
         # Past the dashboard's own refusal, straight to the controller: refused there as well.
-        reply = await app.link.request("pause_instance", 5.0, ids=[0])
+        reply = await app.link.request(PauseInstances(ids=[0]), 5.0)
         assert not reply.ok and "role viewer may not send 'pause_instance'" in reply.reason
     after = await status(controller)
     assert after.lag_bound == before.lag_bound

@@ -26,13 +26,13 @@ from runtime.auth import Role
 from runtime.config import load_config
 from runtime.controller.client import (
     ControlClient,
+    SpawnedController,
     TelemetrySubscriber,
-    start_controller,
     write_run_config,
 )
 from runtime.controller.ledger import verify_ledger
 from runtime.launcher import prepare_model
-from runtime.protocol import Snapshot
+from runtime.protocol import PauseInstances, ResumeInstances, SetLagBound, Snapshot, StopRun
 from runtime.rundir import RunDir, read_jsonl
 from runtime.transport import connect
 
@@ -95,7 +95,7 @@ def _send_garbage(endpoints: Any) -> None:
 
 
 async def _scenario(run_dir: RunDir, observed: Observed) -> None:
-    controller = start_controller(run_dir.root)
+    controller = SpawnedController(run_dir.root)
     try:
         endpoints = await controller.wait_ready(timeout=60)
         async with (
@@ -105,29 +105,27 @@ async def _scenario(run_dir: RunDir, observed: Observed) -> None:
             step = (await telemetry.wait_for(lambda s: s.step >= 3, STARTUP_S)).step
             observed.steps_at["start"] = step
 
-            reply = await control.request("pause_instance", ids=[0])
+            reply = await control.request(PauseInstances(ids=[0]))
             observed.replies["pause"] = reply
             observed.pause_acked_at = time.time()
             snap = await telemetry.wait_for(lambda s: _instance(s, 0) == "paused", 30)
             observed.paused_state_seen = True
             await telemetry.wait_for(lambda s, at=snap.step: s.step >= at + 2, PHASE_S)
-            observed.replies["pause_again"] = await control.request("pause_instance", ids=[0])
-            observed.replies["unknown"] = await control.request("pause_instance", ids=[7])
-            observed.replies["resume"] = await control.request("resume_instance", ids=[0])
+            observed.replies["pause_again"] = await control.request(PauseInstances(ids=[0]))
+            observed.replies["unknown"] = await control.request(PauseInstances(ids=[7]))
+            observed.replies["resume"] = await control.request(ResumeInstances(ids=[0]))
             observed.resume_acked_at = time.time()
             await telemetry.wait_for(lambda s: _instance(s, 0) == "running", 30)
             observed.resumed_state_seen = True
 
             for bound in (0, 1):
-                observed.replies[f"bound{bound}"] = await control.request(
-                    "set_lag_bound", value=bound
-                )
+                observed.replies[f"bound{bound}"] = await control.request(SetLagBound(value=bound))
                 snap = await telemetry.wait_for(
                     lambda s, b=bound: s.lag_bound == b and s.pending_lag_bound is None, PHASE_S
                 )
                 await telemetry.wait_for(lambda s, at=snap.step: s.step >= at + 2, PHASE_S)
                 observed.steps_at[f"bound{bound}"] = snap.step
-            observed.replies["bound_too_big"] = await control.request("set_lag_bound", value=99)
+            observed.replies["bound_too_big"] = await control.request(SetLagBound(value=99))
 
             observed.killed_worker_pid = _worker_pid(controller.pid, 1)
             os.kill(observed.killed_worker_pid, signal.SIGKILL)
@@ -145,12 +143,10 @@ async def _scenario(run_dir: RunDir, observed: Observed) -> None:
             observed.descendants = [
                 p.pid for p in psutil.Process(controller.pid).children(recursive=True)
             ]
-            observed.replies["stop"] = await control.request("stop")
+            observed.replies["stop"] = await control.request(StopRun())
         observed.exit_code = await controller.wait(timeout=120)
     finally:
-        if controller.proc.poll() is None:
-            controller.kill()
-        controller.log.close()
+        controller.kill()  # a no-op once it has exited
 
 
 @pytest.fixture(scope="module")

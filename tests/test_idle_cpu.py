@@ -17,11 +17,12 @@ import pytest
 from runtime.config import load_config
 from runtime.controller.client import (
     ControlClient,
+    SpawnedController,
     TelemetrySubscriber,
-    start_controller,
     write_run_config,
 )
 from runtime.launcher import prepare_model
+from runtime.protocol import PauseInstances, StopRun
 
 REPO = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.slow
@@ -49,7 +50,7 @@ def _describe(process: psutil.Process) -> str:
 
 
 async def _idle_shares(run_dir: Path) -> dict[str, float]:
-    controller = start_controller(run_dir)
+    controller = SpawnedController(run_dir)
     try:
         endpoints = await controller.wait_ready(timeout=60)
         async with (
@@ -57,7 +58,7 @@ async def _idle_shares(run_dir: Path) -> dict[str, float]:
             TelemetrySubscriber(endpoints) as telemetry,
         ):
             await telemetry.wait_for(lambda s: s.step >= 2, 300)
-            reply = await control.request("pause_instance", ids=[0])
+            reply = await control.request(PauseInstances(ids=[0]))
             assert reply.ok, reply
             await telemetry.wait_for(
                 lambda s: (
@@ -79,13 +80,11 @@ async def _idle_shares(run_dir: Path) -> dict[str, float]:
                 for p in processes
                 if p.pid in before and p.pid in after
             }
-            await control.request("stop")
+            await control.request(StopRun())
         await controller.wait(timeout=120)
         return shares
     finally:
-        if controller.proc.poll() is None:
-            controller.kill()
-        controller.log.close()
+        controller.kill()  # a no-op once it has exited
 
 
 def test_a_paused_pipeline_uses_under_a_tenth_of_a_core_per_process(tmp_path: Path) -> None:

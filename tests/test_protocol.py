@@ -11,6 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from runtime import protocol
+from runtime.auth import READ_ONLY_COMMANDS
 from runtime.protocol import (
     Completion,
     Decoder,
@@ -128,3 +129,75 @@ def test_mutated_valid_messages_decode_or_fail_cleanly(data: st.DataObject) -> N
             frame[data.draw(st.integers(0, len(frame) - 1))] = data.draw(st.integers(0, 255))
     with contextlib.suppress(ProtocolError):
         Decoder().decode([bytes(f) for f in frames])
+
+
+# --- commands ---------------------------------------------------------------------------------
+
+
+def _sent(raw: dict) -> list[bytes]:
+    return [msgspec.msgpack.encode((protocol.PROTOCOL_VERSION, raw))]
+
+
+def test_commands_round_trip_typed() -> None:
+    decoder = protocol.CommandDecoder()
+    for command in (
+        protocol.StatusCmd(request_id=1),
+        protocol.HistoryCmd(request_id=2, limit=5),
+        protocol.SetLagBound(request_id=3, value=0),
+        protocol.PauseInstances(request_id=4, ids=[0, 2]),
+        protocol.ResumeInstances(request_id=5, ids=[1]),
+        protocol.RestartInstances(request_id=6, ids=[3]),
+        protocol.StopRun(request_id=7),
+    ):
+        assert decoder.decode(Encoder().encode(command)) == command
+    assert protocol.COMMANDS == (
+        "status", "history", "set_lag_bound", "pause_instance", "resume_instance",
+        "restart_instance", "stop",
+    )  # fmt: skip
+    assert protocol.SetLagBound(value=1).args == {"value": 1}
+
+
+@pytest.mark.parametrize(
+    ("raw", "reason"),
+    [
+        ({"type": "bogus"}, "unknown command 'bogus' (allowed: status, history,"),
+        ({"type": 7}, "unknown command 7"),
+        ({"type": "set_lag_bound"}, "set_lag_bound needs value: an integer 0..async.max_lag_bound"),
+        (
+            {"type": "set_lag_bound", "value": "one"},
+            "set_lag_bound: value: 'one' is not an integer; allowed: an integer",
+        ),
+        ({"type": "set_lag_bound", "value": True}, "value: True is not an integer"),
+        ({"type": "set_lag_bound", "value": -1}, "value: -1 is out of range (must be >= 0)"),
+        (
+            {"type": "set_lag_bound", "valu": 1},
+            "set_lag_bound: unknown field valu (allowed: value)",
+        ),
+        (
+            {"type": "pause_instance", "ids": []},
+            "ids: [] has 0 items (must have >= 1); allowed: a non-empty list of instance ids",
+        ),
+        ({"type": "pause_instance", "ids": [1, "x"]}, "pause_instance: ids[1]: 'x' is not an int"),
+        ({"type": "pause_instance", "ids": 3}, "ids: 3 is not a list"),
+        ({"type": "history", "limit": 0}, "history: limit: 0 is out of range (must be >= 1)"),
+        ({"type": "history", "limit": "a"}, "limit: 'a' is not an integer or null"),
+        ({"type": "stop", "now": True}, "stop: unknown field now (allowed: no arguments)"),
+    ],
+)
+def test_a_bad_command_is_answered_with_what_was_wrong(raw: dict, reason: str) -> None:
+    decoded = protocol.CommandDecoder().decode(_sent({**raw, "request_id": 41}))
+    assert isinstance(decoded, protocol.InvalidCommand)
+    assert decoded.request_id == 41 and reason in decoded.reason, decoded.reason
+    assert decoded.args == {k: v for k, v in raw.items() if k != "type"}
+
+
+@pytest.mark.parametrize("raw", [{"type": "status"}, {"type": "status", "request_id": "1"}])
+def test_a_command_nobody_can_be_answered_for_is_garbage(raw: dict) -> None:
+    with pytest.raises(ProtocolError, match="request_id"):
+        protocol.CommandDecoder().decode(_sent(raw))
+    with pytest.raises(ProtocolError, match="invalid message"):
+        protocol.CommandDecoder().decode(_sent([1, 2]))  # type: ignore[arg-type]
+
+
+def test_viewers_may_send_only_the_read_only_commands() -> None:
+    assert sorted(READ_ONLY_COMMANDS) == ["history", "status"]

@@ -26,8 +26,8 @@ from asp_tui.cli import main as cli_main
 from runtime.config import load_config
 from runtime.controller.client import (
     ControlClient,
+    SpawnedController,
     TelemetrySubscriber,
-    start_controller,
     write_run_config,
 )
 from runtime.rundir import RunDir, read_jsonl
@@ -161,7 +161,7 @@ async def test_another_user_is_refused_until_the_owner_adds_their_key(
     public_key = made.stdout.strip()
     key = other_user.home / "me.key_secret"
 
-    async with start_controller(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         endpoints = ctl.endpoints
         assert oct(rd.keys.stat().st_mode & 0o777) == "0o700"
         assert all(f.stat().st_mode & 0o077 == 0 for f in rd.keys.glob("*.key_secret"))

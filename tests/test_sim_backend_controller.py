@@ -14,12 +14,12 @@ import psutil
 from runtime.config import load_config
 from runtime.controller.client import (
     ControlClient,
+    SpawnedController,
     TelemetrySubscriber,
-    start_controller,
     write_run_config,
 )
 from runtime.controller.ledger import verify_ledger
-from runtime.protocol import Snapshot
+from runtime.protocol import PauseInstances, ResumeInstances, Snapshot
 from runtime.rundir import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -45,7 +45,7 @@ async def test_sim8_trains_under_the_real_controller(tmp_path: Path) -> None:
         run_dir=tmp_path / "sim-8",
     )
     rd = write_run_config(config.run_dir, config)
-    async with start_controller(rd.root) as controller:
+    async with SpawnedController(rd.root) as controller:
         endpoints = controller.endpoints
         assert endpoints is not None
         async with TelemetrySubscriber(endpoints) as telemetry, ControlClient(endpoints) as ctl:
@@ -54,10 +54,10 @@ async def test_sim8_trains_under_the_real_controller(tmp_path: Path) -> None:
                 timeout=60,
             )
             assert {i.max_num_seqs for i in snap.instances} == {32}
-            reply = await ctl.request("pause_instance", ids=[3])
+            reply = await ctl.request(PauseInstances(ids=[3]))
             assert reply.ok, reply.reason
             await telemetry.wait_for(lambda s: state_of(s, 3) == "paused", timeout=30)
-            reply = await ctl.request("resume_instance", ids=[3])
+            reply = await ctl.request(ResumeInstances(ids=[3]))
             assert reply.ok, reply.reason
             await telemetry.wait_for(lambda s: state_of(s, 3) == "running", timeout=30)
             await telemetry.wait_for(lambda s: s.step >= 2, timeout=60)

@@ -8,7 +8,8 @@ from hypothesis import strategies as st
 
 from runtime.bubbles import skewness_fraction
 from runtime.scheduler import CostModel, GroupSpec, InstanceSpec, make_scheduler
-from runtime.sim.engine import compare, simulate
+from runtime.sim.compare import compare
+from runtime.sim.engine import simulate
 
 # Constant step time and free prefill, sync and training: timings become analytic.
 FLAT = CostModel(

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from test_controller import make_run  # the same sim run set-up as the controller tests
 
-from runtime.controller.client import start_controller
+from runtime.controller.client import SpawnedController
 from runtime.rundir import RunDir, read_jsonl
 from runtime.tracking import NAMES, tracker_scalars
 
@@ -48,7 +48,7 @@ async def test_tensorboard_and_offline_wandb_get_every_step(
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
     run_dir = make_run(tmp_path, "trainer.steps=4", "telemetry.wandb={project: asp-tui-test}")
-    async with start_controller(run_dir) as ctl:
+    async with SpawnedController(run_dir) as ctl:
         assert await ctl.wait(120) == 0
     steps = [r for r in read_jsonl(RunDir(run_dir).metrics) if r.get("event") == "step"]
     assert len(steps) == 4

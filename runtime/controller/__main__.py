@@ -1,8 +1,16 @@
-"""``python -m runtime.controller --run-dir D [--no-spawn]``."""
+"""``python -m runtime.controller --run-dir D [--no-spawn]``: the controller process.
+
+It binds its sockets, writes ``endpoints.json``, spawns the workers (or the sim backend) and the
+trainer, and exits 0 after a clean stop (trainer.steps reached, ``stop`` command, SIGINT or
+SIGTERM), 1 if the run failed, 2 for a bad run directory or config. Every child is gone when it
+exits. ``--no-spawn`` supervises nothing: workers and trainer are started by someone else (tests,
+SLURM). Start it with ``runtime.launcher.spawn_controller``.
+"""
 
 from __future__ import annotations
 
 import argparse
+import asyncio
 import sys
 
 from runtime.config import ConfigError
@@ -17,10 +25,13 @@ def main(argv: list[str] | None = None) -> int:
         help="do not start workers or the trainer (they are started elsewhere)",
     )
     args = parser.parse_args(argv)
-    from runtime.controller import run_controller
+    from runtime.controller.process import ControllerProcess
+    from runtime.logs import setup_logging
+    from runtime.rundir import RunDir
 
     try:
-        return run_controller(args.run_dir, spawn=not args.no_spawn)
+        setup_logging(RunDir(args.run_dir).create().log_file("controller"))
+        return asyncio.run(ControllerProcess(args.run_dir, spawn=not args.no_spawn).run())
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

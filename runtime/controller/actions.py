@@ -40,7 +40,7 @@ class TrainerMessage:
 class OperatorCommand:
     """A command from an authorized operator; answered by one :class:`CommandAnswered`."""
 
-    command: P.Command
+    command: P.Command | P.InvalidCommand
 
 
 @dataclass(frozen=True)

@@ -2,18 +2,18 @@
 
 Everything a client needs is in the run directory's ``endpoints.json``::
 
-    endpoints = RunDir(run_dir).read_endpoints()        # or wait_for_endpoints(run_dir)
+    endpoints = RunDir(run_dir).read_endpoints()
     async with ControlClient(endpoints) as control:
-        reply = await control.request("set_lag_bound", value=0)   # -> protocol.CommandReply
+        reply = await control.request(SetLagBound(value=0))       # -> protocol.CommandReply
         snapshot = await control.status()                          # -> protocol.Snapshot
     async with TelemetrySubscriber(endpoints) as telemetry:
         async for message in telemetry:                            # Snapshot | Event
             ...
         snap = await telemetry.wait_for(lambda s: s.step >= 3, timeout=60)
 
-For tests and scripts: :func:`start_controller` runs ``python -m runtime.controller`` on a run
-directory as a child process (:class:`ControllerProcess`, a context manager that always reaps
-it). Garbage from the server side is counted in ``rejected`` and skipped, as everywhere else.
+For tests and scripts: :class:`SpawnedController` starts a controller on a run directory
+(``launcher.spawn_controller``) as a context manager that always reaps it. Garbage from the
+server side is counted in ``rejected`` and skipped, as everywhere else.
 """
 
 from __future__ import annotations
@@ -23,8 +23,6 @@ import contextlib
 import itertools
 import os
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
@@ -35,6 +33,7 @@ import zmq
 import zmq.asyncio
 
 from runtime.auth import KeyPair, Role
+from runtime.launcher import controller_ready, spawn_controller
 from runtime.protocol import (
     TOPIC_EVENT,
     TOPIC_SNAPSHOT,
@@ -44,7 +43,10 @@ from runtime.protocol import (
     Encoder,
     Event,
     FrameGuard,
+    HistoryCmd,
+    HistoryReply,
     Snapshot,
+    StatusCmd,
 )
 from runtime.rundir import Endpoints, RunDir
 from runtime.transport import connect
@@ -84,41 +86,39 @@ class ControlClient:
         self._waiting: dict[int, asyncio.Future[CommandReply]] = {}
         self._reader: asyncio.Task | None = None
 
-    async def request(self, name: str, timeout_s: float | None = None, **args: Any) -> CommandReply:
-        """Send ``name`` with ``args`` and wait for its reply (``ControllerUnavailable`` after
-        ``timeout_s``). A refused command is a reply with ``ok=False``, not an exception."""
+    async def request(self, command: Command, timeout_s: float | None = None) -> CommandReply:
+        """Send ``command`` (its ``request_id`` is set here) and wait for its reply
+        (``ControllerUnavailable`` after ``timeout_s``). A refused command is a reply with
+        ``ok=False``, not an exception."""
         if self._reader is None:
             self._reader = asyncio.create_task(self._read())
         request_id = next(self._ids)
         future: asyncio.Future[CommandReply] = asyncio.get_running_loop().create_future()
         self._waiting[request_id] = future
-        await self.sock.send_multipart(
-            self.encoder.encode(Command(request_id=request_id, name=name, args=args))
-        )
+        command = msgspec.structs.replace(command, request_id=request_id)
+        await self.sock.send_multipart(self.encoder.encode(command))
         try:
             return await asyncio.wait_for(future, timeout_s or self.timeout_s)
         except TimeoutError:
             raise ControllerUnavailable(
-                f"no reply to {name!r} from {self.endpoints.control} within "
+                f"no reply to {command.name!r} from {self.endpoints.control} within "
                 f"{timeout_s or self.timeout_s:.0f}s"
             ) from None
         finally:
             self._waiting.pop(request_id, None)
 
     async def status(self) -> Snapshot:
-        reply = await self.request("status")
+        reply = await self.request(StatusCmd())
         if not reply.ok:
             raise RuntimeError(f"status refused: {reply.reason}")
         return msgspec.convert(reply.data, Snapshot)
 
     async def history(self, limit: int | None = None) -> tuple[list[Snapshot], list[Event]]:
-        reply = await (self.request("history", limit=limit) if limit else self.request("history"))
+        reply = await self.request(HistoryCmd(limit=limit))
         if not reply.ok:
             raise RuntimeError(f"history refused: {reply.reason}")
-        return (
-            msgspec.convert(reply.data["snapshots"], list[Snapshot]),
-            msgspec.convert(reply.data["events"], list[Event]),
-        )
+        history = msgspec.convert(reply.data, HistoryReply)
+        return history.snapshots, history.events
 
     async def _read(self) -> None:
         while True:
@@ -255,57 +255,27 @@ def _describe(snap: Snapshot | None) -> str:
     )
 
 
-async def wait_for_endpoints(
-    run_dir: str | Path,
-    timeout: float = 60.0,
-    *,
-    newer_than: float = 0.0,
-    process: subprocess.Popen | None = None,
-) -> Endpoints:
-    """Wait until the controller of ``run_dir`` has written ``endpoints.json`` (started after
-    ``newer_than``, a ``time.time()`` value, to skip a previous run's file)."""
-    rd = RunDir(run_dir)
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if process is not None and process.poll() is not None:
-            raise RuntimeError(
-                f"controller exited with {process.returncode} before binding; "
-                f"see {rd.log_file('controller')}"
-            )
-        with contextlib.suppress(FileNotFoundError, ValueError):
-            endpoints = rd.read_endpoints()
-            if endpoints.started_at >= newer_than:
-                return endpoints
-        await asyncio.sleep(0.05)
-    raise TimeoutError(f"{rd.endpoints} did not appear within {timeout:.0f}s")
-
-
-class ControllerProcess:
-    """``python -m runtime.controller`` on a run directory, as a child; always reaped."""
+class SpawnedController:
+    """A controller started on ``run_dir`` (``launcher.spawn_controller``) for tests and scripts:
+    ``async with`` it (its endpoints in ``.endpoints``), or ``await wait_ready()``; always
+    reaped."""
 
     def __init__(
         self, run_dir: str | Path, *, spawn: bool = True, env: dict[str, str] | None = None
     ) -> None:
-        self.run_dir = Path(run_dir)
-        argv = [sys.executable, "-m", "runtime.controller", "--run-dir", str(self.run_dir)]
-        if not spawn:
-            argv.append("--no-spawn")
-        self.started_at = time.time()
-        self.log = (self.run_dir / "controller.stdout").open("ab")
-        self.proc = subprocess.Popen(
-            argv,
-            stdout=self.log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
+        self.run_dir = RunDir(run_dir)
+        self.proc = spawn_controller(self.run_dir, spawn=spawn, env=env)
         self.endpoints: Endpoints | None = None
 
     async def wait_ready(self, timeout: float = 60.0) -> Endpoints:
-        self.endpoints = await wait_for_endpoints(
-            self.run_dir, timeout, newer_than=self.started_at - 1.0, process=self.proc
-        )
-        return self.endpoints
+        """The endpoints once it has bound its sockets (``RuntimeError`` if it died first)."""
+        deadline = time.monotonic() + timeout
+        while (endpoints := controller_ready(self.run_dir, self.proc)) is None:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"{self.run_dir.endpoints} did not appear within {timeout:.0f}s")
+            await asyncio.sleep(0.05)
+        self.endpoints = endpoints
+        return endpoints
 
     @property
     def pid(self) -> int:
@@ -332,8 +302,12 @@ class ControllerProcess:
                 os.killpg(self.proc.pid, signal.SIGKILL)
             self.proc.wait()
 
-    async def __aenter__(self) -> ControllerProcess:
-        await self.wait_ready()
+    async def __aenter__(self) -> SpawnedController:
+        try:
+            await self.wait_ready()
+        except BaseException:
+            self.kill()
+            raise
         return self
 
     async def __aexit__(self, *exc: object) -> None:
@@ -343,15 +317,6 @@ class ControllerProcess:
                 await self.wait(30.0)
             except TimeoutError:
                 self.kill()
-        self.log.close()
-
-
-def start_controller(
-    run_dir: str | Path, *, spawn: bool = True, env: dict[str, str] | None = None
-) -> ControllerProcess:
-    """Start a controller on ``run_dir`` (which holds config.yaml); ``async with`` it, or
-    ``await proc.wait_ready()`` for its endpoints."""
-    return ControllerProcess(run_dir, spawn=spawn, env=env)
 
 
 def write_run_config(run_dir: str | Path, config: Any) -> RunDir:
@@ -363,12 +328,11 @@ def write_run_config(run_dir: str | Path, config: Any) -> RunDir:
 
 def send_command(
     endpoints: Endpoints,
-    name: str,
+    command: Command,
     *,
     timeout_s: float = 10.0,
     role: Role = Role.OPERATOR,
     key: KeyPair | None = None,
-    **args: Any,
 ) -> CommandReply:
     """Blocking one-shot command (for CLIs and scripts): the reply, or ``ControllerUnavailable``
     when nothing answers within ``timeout_s`` (a client whose key is refused hears nothing)."""
@@ -379,7 +343,7 @@ def send_command(
         ctx.term()
         raise
     try:
-        sock.send_multipart(Encoder().encode(Command(request_id=1, name=name, args=args)))
+        sock.send_multipart(Encoder().encode(msgspec.structs.replace(command, request_id=1)))
         guard = FrameGuard("control-client", Decoder(CommandReply))
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
@@ -389,7 +353,7 @@ def send_command(
             if reply is not None and reply.request_id == 1:
                 return reply
         raise ControllerUnavailable(
-            f"no reply to {name!r} from {endpoints.control} within {timeout_s:.0f}s"
+            f"no reply to {command.name!r} from {endpoints.control} within {timeout_s:.0f}s"
         )
     finally:
         sock.close(0)

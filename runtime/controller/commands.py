@@ -1,93 +1,133 @@
-"""Operator commands on the control socket: validation, then the controller's ``op_*`` action.
+"""Operator commands on the control socket: the checks that need the run's state, then the
+controller's ``op_*`` action.
 
-Every command is answered: ``CommandReply(ok=True, reason=<what happened>)`` or
-``ok=False`` with a reason that says what was wrong and what is allowed. A command that names
-several instances is all-or-nothing: one bad id refuses the whole command.
+The control socket's ``protocol.CommandDecoder`` has already typed the command (or made it an
+``InvalidCommand`` that says which field was wrong). Every command is answered:
+``CommandReply(ok=True, reason=<what happened>, data=<the command's reply type>)`` or ``ok=False``
+with a reason that says what was wrong and what is allowed. A command that names several instances
+is all-or-nothing: one bad id refuses the whole command.
+
+This module knows the controller only as a ``CommandTarget``: it imports nothing of the process
+that owns the sockets.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
-
-import msgspec
+from typing import TYPE_CHECKING, Any, Protocol
 
 from runtime.controller.instances import DOWN, STARTING
-from runtime.protocol import COMMANDS, Command, CommandReply
+from runtime.protocol import (
+    Command,
+    CommandReply,
+    HistoryCmd,
+    InstancesReply,
+    InvalidCommand,
+    LagBoundReply,
+    PauseInstances,
+    RestartInstances,
+    ResumeInstances,
+    SetLagBound,
+    StatusCmd,
+    StopRun,
+)
 
 if TYPE_CHECKING:
+    from runtime.config import Config
+    from runtime.controller.governor import LagGovernor
     from runtime.controller.instances import Instance
-    from runtime.controller.server import Controller
+    from runtime.controller.telemetry import Telemetry
+    from runtime.protocol import Snapshot
+
+
+class CommandTarget(Protocol):
+    """What commands read and call on the controller."""
+
+    config: Config
+    governor: LagGovernor
+    instances: dict[int, Instance]
+    telemetry: Telemetry | None
+    spawn: bool
+    """Whether the controller supervises its workers (restart needs it)."""
+    sim: bool
+    """The sim backend: every instance lives in one process."""
+    stopping: bool
+    stop_reason: str
+
+    def snapshot(self) -> Snapshot: ...
+
+    def op_set_lag_bound(self, value: int) -> str: ...
+
+    def op_pause(self, inst: Instance) -> None: ...
+
+    def op_resume(self, inst: Instance) -> None: ...
+
+    def op_restart(self, inst: Instance) -> str: ...
+
+    def request_stop(self, reason: str = ..., code: int = ...) -> None: ...
 
 
 class Refused(Exception):
     """A command that cannot be carried out; the message is the reply's reason."""
 
 
-def handle(ctl: Controller, cmd: Command) -> CommandReply:
+READ_WHILE_STOPPING = (StatusCmd, HistoryCmd, StopRun)
+
+
+def handle(ctl: CommandTarget, cmd: Command | InvalidCommand) -> CommandReply:
     try:
-        if cmd.name not in COMMANDS:
-            raise Refused(f"unknown command {cmd.name!r} (allowed: {', '.join(COMMANDS)})")
-        if not isinstance(cmd.args, dict):
-            raise Refused("args must be a mapping")
-        if ctl.stopping and cmd.name not in ("status", "history", "stop"):
+        if isinstance(cmd, InvalidCommand):
+            raise Refused(cmd.reason)
+        if ctl.stopping and not isinstance(cmd, READ_WHILE_STOPPING):
             raise Refused(f"the run is stopping ({ctl.stop_reason})")
-        reason, data = _HANDLERS[cmd.name](ctl, cmd.args)
+        reason, data = _dispatch(ctl, cmd)
         return CommandReply(request_id=cmd.request_id, ok=True, reason=reason, data=data)
     except Refused as exc:
         return CommandReply(request_id=cmd.request_id, ok=False, reason=str(exc))
 
 
-def _status(ctl: Controller, args: dict[str, Any]) -> tuple[str, Any]:
-    snap = ctl.telemetry.latest if ctl.telemetry is not None else None
-    snap = snap or ctl.snapshot()
-    return "", msgspec.to_builtins(snap)
+def _dispatch(ctl: CommandTarget, cmd: Command) -> tuple[str, Any]:
+    match cmd:
+        case StatusCmd():
+            snap = ctl.telemetry.latest if ctl.telemetry is not None else None
+            return "", snap or ctl.snapshot()
+        case HistoryCmd(limit=limit):
+            assert ctl.telemetry is not None
+            return "", ctl.telemetry.history(limit)
+        case SetLagBound(value=value):
+            return _set_lag_bound(ctl, value)
+        case PauseInstances(ids=ids):
+            return _pause(ctl, _instances(ctl, ids))
+        case ResumeInstances(ids=ids):
+            return _resume(ctl, _instances(ctl, ids))
+        case RestartInstances(ids=ids):
+            return _restart(ctl, _instances(ctl, ids))
+        case StopRun():
+            return _stop(ctl)
+    raise Refused(f"no handler for {type(cmd).__name__}")  # a command added without one
 
 
-def _history(ctl: Controller, args: dict[str, Any]) -> tuple[str, Any]:
-    limit = args.get("limit")
-    if limit is not None and (not isinstance(limit, int) or isinstance(limit, bool) or limit < 1):
-        raise Refused(f"limit: {limit!r} must be a positive integer")
-    assert ctl.telemetry is not None
-    return "", ctl.telemetry.history(limit)
-
-
-def _set_lag_bound(ctl: Controller, args: dict[str, Any]) -> tuple[str, Any]:
-    if "value" not in args:
-        raise Refused("set_lag_bound needs {value: int}")
-    value = args["value"]
+def _set_lag_bound(ctl: CommandTarget, value: int) -> tuple[str, LagBoundReply]:
     top = ctl.config.async_.max_lag_bound
-    if not isinstance(value, int) or isinstance(value, bool):
-        raise Refused(f"value: {value!r} is not an integer (allowed 0..{top})")
-    if not 0 <= value <= top:
+    if value > top:
         raise Refused(f"value: {value} is out of range (allowed 0..{top}, async.max_lag_bound)")
     description = ctl.op_set_lag_bound(value)
     gov = ctl.governor
-    return description, {
-        "lag_bound": gov.lag_bound,
-        "pending_lag_bound": gov.pending_lag_bound,
-        "on_lag_decrease": gov.on_lag_decrease,
-    }
+    return description, LagBoundReply(
+        lag_bound=gov.lag_bound,
+        pending_lag_bound=gov.pending_lag_bound,
+        on_lag_decrease=gov.on_lag_decrease,
+    )
 
 
-def _instances(ctl: Controller, args: dict[str, Any]) -> list[Instance]:
-    ids = args.get("ids", args.get("id"))
-    if isinstance(ids, int) and not isinstance(ids, bool):
-        ids = [ids]
-    if not isinstance(ids, list) or not ids:
-        raise Refused("ids: a non-empty list of instance ids is required")
+def _instances(ctl: CommandTarget, ids: list[int]) -> list[Instance]:
     known = sorted(ctl.instances)
-    out = []
     for i in ids:
-        if not isinstance(i, int) or isinstance(i, bool):
-            raise Refused(f"ids: {i!r} is not an integer instance id")
         if i not in ctl.instances:
             raise Refused(f"unknown instance id {i} (known: {known[0]}..{known[-1]})")
-        out.append(ctl.instances[i])
-    return out
+    return [ctl.instances[i] for i in ids]
 
 
-def _pause(ctl: Controller, args: dict[str, Any]) -> tuple[str, Any]:
-    targets = _instances(ctl, args)
+def _pause(ctl: CommandTarget, targets: list[Instance]) -> tuple[str, InstancesReply]:
     for inst in targets:
         if inst.operator_paused:
             raise Refused(f"instance {inst.instance_id} is already paused")
@@ -96,22 +136,20 @@ def _pause(ctl: Controller, args: dict[str, Any]) -> tuple[str, Any]:
     for inst in targets:
         ctl.op_pause(inst)
     ids = [inst.instance_id for inst in targets]
-    return f"paused {ids} (in-flight groups kept; no new dispatch)", {"ids": ids}
+    return f"paused {ids} (in-flight groups kept; no new dispatch)", InstancesReply(ids=ids)
 
 
-def _resume(ctl: Controller, args: dict[str, Any]) -> tuple[str, Any]:
-    targets = _instances(ctl, args)
+def _resume(ctl: CommandTarget, targets: list[Instance]) -> tuple[str, InstancesReply]:
     for inst in targets:
         if not inst.operator_paused:
             raise Refused(f"instance {inst.instance_id} is not paused (it is {inst.state})")
     for inst in targets:
         ctl.op_resume(inst)
     ids = [inst.instance_id for inst in targets]
-    return f"resumed {ids}", {"ids": ids}
+    return f"resumed {ids}", InstancesReply(ids=ids)
 
 
-def _restart(ctl: Controller, args: dict[str, Any]) -> tuple[str, Any]:
-    targets = _instances(ctl, args)
+def _restart(ctl: CommandTarget, targets: list[Instance]) -> tuple[str, InstancesReply]:
     if not ctl.spawn:
         raise Refused("this controller does not supervise its workers (started with --no-spawn)")
     if ctl.sim:
@@ -125,23 +163,11 @@ def _restart(ctl: Controller, args: dict[str, Any]) -> tuple[str, Any]:
         if inst.state == STARTING and inst.restart_at is None:
             raise Refused(f"instance {inst.instance_id} is already starting")
     done = [ctl.op_restart(inst) for inst in targets]
-    return "; ".join(done), {"ids": [inst.instance_id for inst in targets]}
+    return "; ".join(done), InstancesReply(ids=[inst.instance_id for inst in targets])
 
 
-def _stop(ctl: Controller, args: dict[str, Any]) -> tuple[str, Any]:
+def _stop(ctl: CommandTarget) -> tuple[str, None]:
     if ctl.stopping:
         return f"already stopping ({ctl.stop_reason})", None
     ctl.request_stop("operator stop", code=0)
     return "stopping: final checkpoint, then every process exits", None
-
-
-_HANDLERS = {
-    "status": _status,
-    "history": _history,
-    "set_lag_bound": _set_lag_bound,
-    "pause_instance": _pause,
-    "resume_instance": _resume,
-    "restart_instance": _restart,
-    "stop": _stop,
-}
-assert set(_HANDLERS) == set(COMMANDS)

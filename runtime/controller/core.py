@@ -42,7 +42,12 @@ log = logging.getLogger(__name__)
 
 
 class ControllerCore:
-    """One run's decisions. ``core.handle(event)`` returns the actions to carry out."""
+    """One run's decisions. ``core.handle(event)`` returns the actions to carry out.
+
+    ``make_scheduler`` plans each epoch (``runtime.scheduler.make_scheduler``; None: the core
+    is given its one plan, as the simulator does); ``plan_inline`` plans the next epoch at once
+    instead of asking the shell to plan it off the loop (:class:`~actions.PlanEpoch`).
+    """
 
     def __init__(
         self,
@@ -54,6 +59,7 @@ class ControllerCore:
         saved: ControllerState | None = None,
         next_group_id: int = 0,
         supervises: bool = True,
+        make_scheduler: Callable[..., Any] | None = None,
         plan_inline: bool = False,
         single_epoch: bool = False,
         locate_weights: Callable[[int], str] | None = None,
@@ -91,6 +97,7 @@ class ControllerCore:
             consumed=st.consumed_prompts,
             next_group_id=max(st.next_group_id, next_group_id),
             request_plan=None if plan_inline else self._request_plan,
+            make_scheduler=make_scheduler,
             single_epoch=single_epoch,
         )
         self.dispatcher = Dispatcher(
@@ -253,7 +260,7 @@ class ControllerCore:
         else:
             self.trainer.on_message(msg)
 
-    def _on_command(self, cmd: P.Command) -> None:
+    def _on_command(self, cmd: P.Command | P.InvalidCommand) -> None:
         reply = commands.handle(self, cmd)
         self.outbox.add(A.CommandAnswered(reply))
         # Stamped when it took effect, before the reply can reach the client.

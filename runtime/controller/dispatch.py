@@ -19,6 +19,7 @@ from runtime.controller.governor import ABORTED, SKIPPED, GroupRecord, LagGovern
 from runtime.controller.instances import RUNNING, Instance
 from runtime.controller.ledger import Ledger
 from runtime.controller.work import WorkQueue
+from runtime.scheduler.base import InstanceSpec
 
 log = logging.getLogger(__name__)
 
@@ -117,9 +118,7 @@ class Dispatcher:
         self.install_epoch(*planned)
         return True
 
-    def instance_specs(self) -> list[Any]:
-        from runtime.scheduler import InstanceSpec
-
+    def instance_specs(self) -> list[InstanceSpec]:
         return [InstanceSpec(i, inst.max_num_seqs) for i, inst in self.instances.items()]
 
     def install_epoch(self, plan: Any, scheduler: Any) -> None:

@@ -38,6 +38,7 @@ from runtime.controller.telemetry import Telemetry
 from runtime.controller.work import TaskData, load_task
 from runtime.resources import SIM_BACKEND, TRAINER, ResourcePlan, plan_resources, worker_name
 from runtime.rundir import Endpoints, JsonlWriter, RunDir, read_jsonl
+from runtime.scheduler.policies import make_scheduler
 
 log = logging.getLogger(__name__)
 
@@ -45,7 +46,6 @@ ROLLOUT_TYPES = (
     P.WorkerHello | P.Heartbeat | P.GroupDone | P.GroupAborted | P.GroupFailed | P.WorkerAck
 )
 TRAINER_TYPES = P.TrainerHello | P.BatchRequest | P.StepDone
-CONTROL_TYPES = P.Command
 INSTANCE_PREFIX = b"instance-"
 TRAINER_IDENTITY = b"trainer"
 
@@ -62,12 +62,9 @@ class ControllerProcess:
         self.exit_code = 0
         self._stop_event = asyncio.Event()
         self.guards = {
-            name: P.FrameGuard(name, P.Decoder(t))
-            for name, t in (
-                ("rollout", ROLLOUT_TYPES),
-                ("trainer", TRAINER_TYPES),
-                ("control", CONTROL_TYPES),
-            )
+            "rollout": P.FrameGuard("rollout", P.Decoder(ROLLOUT_TYPES)),
+            "trainer": P.FrameGuard("trainer", P.Decoder(TRAINER_TYPES)),
+            "control": P.FrameGuard("control", P.CommandDecoder()),
         }
         self.encoder = P.Encoder()
         self.ctx: zmq.asyncio.Context | None = None
@@ -159,6 +156,7 @@ class ControllerProcess:
             saved=load_state(self.rd),
             next_group_id=_max_ledger_group(self.rd.ledger) + 1,
             supervises=self.spawn,
+            make_scheduler=make_scheduler,
             locate_weights=self._weights_on_disk,
         )
         core.telemetry = self.telemetry
@@ -370,7 +368,9 @@ class ControllerProcess:
         self._command_identity = identity
         return A.OperatorCommand(msg)
 
-    def _may_command(self, frame: zmq.Frame, identity: bytes, msg: P.Command) -> bool:
+    def _may_command(
+        self, frame: zmq.Frame, identity: bytes, msg: P.Command | P.InvalidCommand
+    ) -> bool:
         """Whether the client's key (its ZAP User-Id) has, now, a role that may send ``msg``; a
         refusal is answered, counted and reported like a refused connection."""
         public_key = frame.get("User-Id") or ""

@@ -19,6 +19,7 @@ from runtime.protocol import (
     TOPIC_SNAPSHOT,
     Encoder,
     Event,
+    HistoryReply,
     Snapshot,
     encode_topic,
 )
@@ -67,14 +68,12 @@ class Telemetry:
         return self.snapshots[-1] if self.snapshots else None
 
     def history(self, limit: int | None = None) -> dict[str, list[Any]]:
+        """A ``HistoryReply`` as plain data, the way it crosses the wire."""
         snaps = list(self.snapshots)
         events = list(self.events)
         if limit is not None:
             snaps, events = snaps[-limit:], events[-limit:]
-        return {
-            "snapshots": msgspec.to_builtins(snaps),
-            "events": msgspec.to_builtins(events),
-        }
+        return msgspec.to_builtins(HistoryReply(snapshots=snaps, events=events))
 
 
 class _Sample(NamedTuple):

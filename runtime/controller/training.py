@@ -21,6 +21,7 @@ from runtime.controller.fleet import Fleet
 from runtime.controller.governor import LagGovernor, LagRecorder
 from runtime.controller.ledger import Ledger
 from runtime.controller.work import WorkQueue
+from runtime.records import step_record
 
 log = logging.getLogger(__name__)
 
@@ -188,11 +189,10 @@ class TrainerSide:
         self.ledger.consumed(plan.group_ids, step=plan.version, lags=lags)
         gov.forget(plan.group_ids)
         self.last_lag = recorder.stats()
-        rewards = [c.reward for g in groups for c in g.completions]
         self._batch = {
             "tokens": sum(len(c.token_ids) for g in groups for c in g.completions),
             "samples": sum(len(g.completions) for g in groups),
-            "reward_mean_rollout": float(np.mean(rewards)) if rewards else 0.0,
+            "rewards": [c.reward for g in groups for c in g.completions],
             "reward_functions": _per_function_means(groups),
         }
         return groups
@@ -233,55 +233,28 @@ class TrainerSide:
         self, step: int, msg: P.StepDone, iteration: float, samples: int, tokens: int, now: float
     ) -> dict[str, Any]:
         gov = self.governor
-        m = msg.metrics
-        lag = self.last_lag
-        record: dict[str, Any] = {
-            "event": "step",
-            "step": step + 1,
-            "version": msg.version,
-            "reward_mean": m.reward_mean,
-            "reward_mean_rollout": self._batch.get("reward_mean_rollout", 0.0),
-            "reward_std": m.reward_std,
-            "loss": m.loss,
-            "kl": m.kl,
-            "clip_fraction": m.clip_fraction,
-            "importance_clip_fraction": m.importance_clip_fraction,
-            "grad_norm": m.grad_norm,
-            "lag_mean": lag["mean"],
-            "lag_p95": lag["p95"],
-            "lag_max": lag["max"],
-            "lag_span_max": lag["span_max"],
-            "lag_histogram": lag["histogram"],
-            "lag_bound": self.batch_bound,
-            "pending_lag_bound": self.batch_pending,
-            "queue_depth": gov.queued,
-            "in_flight": gov.in_flight,
-            "iteration_s": iteration,
-            "step_s": m.step_s,
-            "compute_s": m.compute_s,
-            "publish_s": m.publish_s,
-            "wait_batch_s": m.wait_batch_s,
-            "wait_ack_s": m.wait_ack_s,
-            "checkpoint_s": m.checkpoint_s,
-            "sync_s": self.fleet.last_sync_s,
-            "samples": samples,
-            "tokens": tokens,
-            "samples_per_s": samples / iteration,
-            "tokens_per_s": tokens / iteration,
-            "epoch": self.work.epoch,
-            "discarded_total": gov.counters.discarded + gov.counters.aborted,
-            "skipped_groups_total": gov.counters.skipped,
-        }
-        if self._batch.get("reward_functions"):
-            record["reward_functions"] = dict(self._batch["reward_functions"])
-        quality = self.work.predictor_quality()
-        if quality is not None:
-            record["predictor_rho"], record["predictor_mape"] = quality
-        for cat, value in self._bubbles_since_step(now).items():
-            record[f"bubble_{cat}"] = value
-        for cat, value in self._predicted_bubbles().items():
-            record[f"predicted_bubble_{cat}"] = value
-        return record
+        return step_record(
+            step=step + 1,
+            metrics=msg.metrics,
+            rollout_rewards=self._batch.get("rewards", ()),
+            lag=self.last_lag,
+            lag_bound=self.batch_bound,
+            pending_lag_bound=self.batch_pending,
+            queue_depth=gov.queued,
+            in_flight=gov.in_flight,
+            iteration_s=iteration,
+            sync_s=self.fleet.last_sync_s,
+            samples=samples,
+            tokens=tokens,
+            epoch=self.work.epoch,
+            discarded_total=gov.counters.discarded + gov.counters.aborted,
+            skipped_groups_total=gov.counters.skipped,
+            bubbles=self._bubbles_since_step(now),
+            predicted_bubbles=self._predicted_bubbles(),
+            reward_functions=self._batch.get("reward_functions"),
+            observed_lengths=self.work.observed_pairs,
+            time=now,
+        ).to_dict()
 
     def weights_of(self, version: int) -> str | None:
         """Where StepDone said ``version`` lives (None: not told in this controller's life)."""

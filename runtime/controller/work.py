@@ -143,6 +143,7 @@ class WorkQueue:
         consumed: Iterable[int],
         next_group_id: int,
         request_plan: Callable[[EpochPlan], None] | None,
+        make_scheduler: Callable[..., Any] | None,
         single_epoch: bool = False,
     ) -> None:
         self.config = config
@@ -158,6 +159,9 @@ class WorkQueue:
         # ``request_plan`` builds the next epoch off the loop (None: plan inline, blocking).
         self._request_plan = request_plan
         self.single_epoch = single_epoch
+        self._make_scheduler = make_scheduler
+        """``runtime.scheduler.make_scheduler`` (injected: ASP plans with the simulator, which
+        runs this core, so the core does not import the policies)."""
         """One epoch and no more (the simulator): once it is handed out, the work is done."""
         self.planning = False
         self._planned: tuple[EpochPlan, Any] | None = None
@@ -167,8 +171,8 @@ class WorkQueue:
     # --- epochs -------------------------------------------------------------------------------
     def plan(self, epoch: int, specs: list[Any], bound: int, skip: set[int] | None) -> EpochPlan:
         """What planning ``epoch`` needs, read now."""
-        from runtime.scheduler import make_scheduler
-
+        if self._make_scheduler is None:
+            raise RuntimeError("this core was given its plan and plans nothing itself")
         cfg = self.config
         ids = [pid for pid in self.prompts if not skip or pid not in skip]
         if not ids:  # a resumed epoch that was fully consumed
@@ -176,7 +180,7 @@ class WorkQueue:
             self.consumed_prompts.clear()
         groups = self.lengths.groups(ids, self.n)
         make = functools.partial(
-            make_scheduler,
+            self._make_scheduler,
             cfg.scheduler.policy,
             groups,
             specs,
@@ -278,16 +282,6 @@ class WorkQueue:
         """Not to be handed out again this epoch (consumed, or skipped for a failed reward)."""
         if epoch == self.epoch:
             self.consumed_prompts.add(prompt_id)
-
-    def predictor_quality(self) -> tuple[float | None, float] | None:
-        """(Spearman rho, MAPE) of this epoch's predictions so far; None below two groups."""
-        if len(self.observed_pairs) < 2:
-            return None
-        from runtime.scheduler.lengths import predictor_quality
-
-        predicted, actual = zip(*self.observed_pairs, strict=True)
-        rho, mape = predictor_quality(predicted, actual)
-        return (None if np.isnan(rho) else rho), mape
 
     def predicted_breakdown(self) -> dict[str, float]:
         """The plan's predicted bubble fractions (empty when the policy predicts none)."""

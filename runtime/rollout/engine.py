@@ -82,7 +82,7 @@ class SamplingSpec:
 
 
 @dataclass(slots=True)
-class Sample:
+class GeneratedSample:
     """One finished completion with its behaviour log-probs and weight-version span."""
 
     token_ids: np.ndarray
@@ -245,7 +245,7 @@ class RolloutEngine(ABC):
 
     async def generate(
         self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec
-    ) -> list[Sample]:
+    ) -> list[GeneratedSample]:
         """Generate one group and return its ``n`` samples, in index order.
 
         An aborted request (``abort``, or ``pause("abort")``) still returns: its samples carry
@@ -530,11 +530,15 @@ async def start_engine(spec: EngineSpec, weight_version: int = 0) -> RolloutEngi
     return engine
 
 
-def _to_sample(completion: Any, start_version: int, end_version: int, finished_at: float) -> Sample:
-    """A vLLM ``CompletionOutput`` (or None: aborted before any token) -> ``Sample``."""
+def _to_sample(
+    completion: Any, start_version: int, end_version: int, finished_at: float
+) -> GeneratedSample:
+    """A vLLM ``CompletionOutput`` (or None: aborted before any token) -> ``GeneratedSample``."""
     if completion is None:
         empty = np.zeros(0, dtype=np.int32)
-        return Sample(empty, np.zeros(0, np.float32), "abort", start_version, start_version, 0.0)
+        return GeneratedSample(
+            empty, np.zeros(0, np.float32), "abort", start_version, start_version, 0.0
+        )
     token_ids = np.asarray(completion.token_ids, dtype=np.int32)
     logprobs = _sampled_logprobs(completion.logprobs, completion.token_ids)
     spans = completion.weight_versions
@@ -546,7 +550,7 @@ def _to_sample(completion: Any, start_version: int, end_version: int, finished_a
         # while the request ran are the honest bounds.
         low, high = start_version, end_version if len(token_ids) else start_version
     reason = completion.finish_reason or "abort"
-    return Sample(token_ids, logprobs, str(reason), low, high, finished_at)
+    return GeneratedSample(token_ids, logprobs, str(reason), low, high, finished_at)
 
 
 def _sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> np.ndarray:

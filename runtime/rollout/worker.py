@@ -37,6 +37,7 @@ import zmq.asyncio
 
 from runtime.auth import Role
 from runtime.lifetime import die_with_parent
+from runtime.logs import setup_logging
 from runtime.protocol import (
     AbortGroups,
     Completion,
@@ -406,23 +407,6 @@ class RolloutWorker:
 # --- process entry ---------------------------------------------------------------------------
 
 
-def _log_to(path: Path) -> None:
-    """Send this process's stdout/stderr, and those of vLLM's children, to ``path``."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
-    for target in (1, 2):
-        os.dup2(fd, target)
-    os.close(fd)
-    sys.stdout = open(1, "w", buffering=1, closefd=False)  # noqa: SIM115 (lives with the process)
-    sys.stderr = open(2, "w", buffering=1, closefd=False)  # noqa: SIM115
-    logging.basicConfig(
-        level=logging.INFO,
-        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
-        stream=sys.stderr,
-        force=True,
-    )
-
-
 async def serve(run_dir: Path, instance_id: int) -> int:
     """Start the engine for ``instance_id`` of the run in ``run_dir`` and serve until told."""
     import torch
@@ -519,10 +503,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.die_with_parent:
         die_with_parent()
     arm_forked_children()
-    if args.log_stdout:
-        logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s")
-    else:
-        _log_to(RunDir(args.run_dir).log_file(f"worker-{args.instance_id}"))
+    # The log file also takes vLLM's own output, and its engine core's.
+    log_file = (
+        None if args.log_stdout else RunDir(args.run_dir).log_file(f"worker-{args.instance_id}")
+    )
+    setup_logging(log_file, capture_output=True)
     try:
         return asyncio.run(serve(args.run_dir, args.instance_id))
     except (ConfigError, FileNotFoundError) as exc:

@@ -338,7 +338,7 @@ def _per_instance_load(rows, st: _Setup) -> list[dict]:
 
 
 def run_simulate(args: argparse.Namespace) -> int:
-    from runtime.sim.engine import compare
+    from runtime.sim.compare import compare
 
     try:
         st = _Setup(args, split=True)

@@ -38,6 +38,7 @@ import zmq.asyncio
 
 from runtime.auth import Role
 from runtime.config import Config, ConfigError, read_run_config
+from runtime.logs import setup_logging
 from runtime.protocol import Encoder, FrameGuard
 from runtime.rundir import RunDir
 from runtime.scheduler.cost_model import CostModel
@@ -240,16 +241,6 @@ def check_weights(version: int, path: str) -> str:
 # --- the process -----------------------------------------------------------------------------
 
 
-def setup_logging(run_dir: RunDir, process: str) -> None:
-    """Log to ``RunDir.log_file(process)`` (the controller may also capture stderr)."""
-    run_dir.logs.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(run_dir.log_file(process))
-    handler.setFormatter(logging.Formatter("%(asctime)s %(levelname)s %(name)s: %(message)s"))
-    root = logging.getLogger()
-    root.handlers[:] = [handler]
-    root.setLevel(logging.INFO)
-
-
 def controller_alive(pid: int) -> bool:
     try:
         return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
@@ -370,7 +361,7 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 2
-    setup_logging(run_dir, "sim-backend")
+    setup_logging(run_dir.log_file("sim-backend"))
     return asyncio.run(serve(config, run_dir, ids))
 
 

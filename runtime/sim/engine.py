@@ -39,7 +39,6 @@ from runtime.controller.work import EpochPlan, TaskData
 from runtime.protocol import Batch, BatchRequest, TrainerHello
 from runtime.scheduler.base import GroupSpec, InstanceSpec, Scheduler
 from runtime.scheduler.cost_model import CostModel
-from runtime.scheduler.policies import make_scheduler
 from runtime.sim.instance import InstanceModel, TableOutputs
 from runtime.sim.trainer import TrainerModel
 
@@ -180,6 +179,48 @@ def simulate(
     return run.result(sorting_baseline)
 
 
+class _Renumbered(Scheduler):
+    """A scheduler planned for instance ids ``ids`` (any), seen by the core as 0..N-1: the
+    core's instances are the config's, numbered in order."""
+
+    def __init__(self, inner: Scheduler, ids: Sequence[int]) -> None:
+        self.inner = inner
+        self.ids = list(ids)
+        self.index = {x: k for k, x in enumerate(self.ids)}
+        self.name = inner.name
+        self.predicted_breakdown = inner.predicted_breakdown
+
+    def next_groups(self, instance_id: int, max_groups: int) -> list[int]:
+        return self.inner.next_groups(self.ids[instance_id], max_groups)
+
+    def on_group_finished(self, prompt_id: int, instance_id: int, lengths: Sequence[int]) -> None:
+        self.inner.on_group_finished(prompt_id, self.ids[instance_id], lengths)
+
+    def requeue(self, prompt_ids: Sequence[int]) -> None:
+        self.inner.requeue(prompt_ids)
+
+    def on_instance_paused(self, instance_id: int) -> None:
+        self.inner.on_instance_paused(self.ids[instance_id])
+
+    def on_instance_resumed(self, instance_id: int) -> None:
+        self.inner.on_instance_resumed(self.ids[instance_id])
+
+    def on_instance_lost(self, instance_id: int) -> None:
+        self.inner.on_instance_lost(self.ids[instance_id])
+
+    def on_instance_added(self, spec: InstanceSpec) -> None:
+        self.inner.on_instance_added(InstanceSpec(self.ids[spec.instance_id], spec.max_num_seqs))
+
+    def set_lag_bound(self, lag_bound: int) -> None:
+        self.inner.set_lag_bound(lag_bound)
+
+    def remaining(self) -> int:
+        return self.inner.remaining()
+
+    def pending(self, instance_id: int) -> int:
+        return self.inner.pending(self.ids[instance_id])
+
+
 class _Clock:
     """The simulated clock the core reads."""
 
@@ -246,9 +287,12 @@ class SimRun:
             single_epoch=True,
         )
         outputs = TableOutputs(actual, prompt_tokens, payload="light", reward=None)
+        ids = [spec.instance_id for spec in instances]
+        if ids != list(range(len(ids))):
+            scheduler = _Renumbered(scheduler, ids)
         self.models = {
-            s.instance_id: InstanceModel(s.instance_id, s.max_num_seqs, cost, outputs)
-            for s in instances
+            k: InstanceModel(k, spec.max_num_seqs, cost, outputs)
+            for k, spec in enumerate(instances)
         }
         self.trainer = TrainerModel(cost, config.trainer.loss)
         self.first = (EpochPlan(0, list(groups), lag_bound, lambda: scheduler), scheduler)
@@ -436,53 +480,3 @@ def _sim_task(groups: Sequence[GroupSpec], prompt_tokens: Mapping[int, int]) -> 
         model_path="sim",
         lengths=None,
     )
-
-
-def compare(
-    policies: Sequence[str],
-    groups: Sequence[GroupSpec],
-    actual: Mapping[int, Sequence[int]],
-    instances: Sequence[InstanceSpec],
-    *,
-    batch_groups: int,
-    lag_bound: int,
-    cost_model: CostModel | None = None,
-    prompt_tokens: Mapping[int, int] | None = None,
-    dispatch: str = "continuous",
-    seed: int = 0,
-) -> dict[str, SimResult]:
-    """Plan and simulate each policy on the same input. Sorting is reported in excess of fifo's
-    (fifo always runs first, as the baseline, even when not asked for)."""
-    cost = cost_model or CostModel()
-    out: dict[str, SimResult] = {}
-
-    def run(p: str, baseline: float | None) -> SimResult:
-        s = make_scheduler(
-            p,
-            groups,
-            instances,
-            batch_groups=batch_groups,
-            lag_bound=lag_bound,
-            cost_model=cost,
-            seed=seed,
-        )
-        return simulate(
-            s,
-            groups,
-            actual,
-            instances,
-            batch_groups=batch_groups,
-            lag_bound=lag_bound,
-            cost_model=cost,
-            prompt_tokens=prompt_tokens,
-            dispatch=dispatch,
-            sorting_baseline=baseline,
-        )
-
-    fifo = run("fifo", None)
-    base = fifo.extra["raw_sorting"]
-    fifo.breakdown.fractions = excess_sorting(fifo.breakdown.fractions, base)
-    fifo.breakdown.sorting_baseline = base
-    for p in policies:
-        out[p] = fifo if p == "fifo" else run(p, base)
-    return out

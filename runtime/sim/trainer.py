@@ -53,6 +53,7 @@ import zmq
 
 from runtime.auth import Role
 from runtime.config import Config, ConfigError, LossConfig, read_run_config
+from runtime.logs import setup_logging
 from runtime.protocol import (
     Batch,
     BatchRequest,
@@ -66,7 +67,7 @@ from runtime.protocol import (
 )
 from runtime.rundir import RunDir, atomic_write_bytes
 from runtime.scheduler.cost_model import CostModel
-from runtime.sim.backend import SIM_WEIGHTS_FORMAT, controller_alive, setup_logging
+from runtime.sim.backend import SIM_WEIGHTS_FORMAT, controller_alive
 from runtime.trainer.advantages import group_advantages
 from runtime.transport import connect
 
@@ -338,7 +339,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"sim trainer: {exc}", file=sys.stderr)
         return 2
     run_dir.create()
-    setup_logging(run_dir, "trainer")
+    setup_logging(run_dir.log_file("trainer"))
     trainer = SimTrainer(config, run_dir)
     try:
         reason = trainer.run()

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import Config, ConfigError
-from runtime.tasks import TaskPrompt
+from runtime.tasks.base import TaskPrompt
 from runtime.tasks.rewards import GroupRewards, RewardSuite
 
 EVAL_PROMPT_BASE = 1 << 30

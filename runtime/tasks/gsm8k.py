@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import Config
-from runtime.tasks import TaskPrompt
+from runtime.tasks.base import TaskPrompt
 
 INSTRUCTION = "Please reason step by step, and put your final answer within \\boxed{}."
 """Appended to each question; the phrasing Qwen2.5's math evaluations use."""

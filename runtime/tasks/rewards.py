@@ -36,7 +36,7 @@ from runtime.config import ConfigError
 
 if TYPE_CHECKING:
     from runtime.config import RewardConfig, TaskConfig
-    from runtime.tasks import TaskPrompt
+    from runtime.tasks.base import TaskPrompt
 
 TRL_ARGUMENTS = ("prompts", "completions", "completion_ids")
 VERL_ARGUMENTS = ("data_source", "solution_str", "ground_truth", "extra_info")

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from runtime.tasks import SupervisedTask, encode_prompt
+from runtime.tasks.base import SupervisedTask, encode_prompt
 
 if TYPE_CHECKING:
     from runtime.config import Config
@@ -88,7 +88,7 @@ def warm_start(
     """Train ``model_dir`` in place for ``config.task.sft_steps`` steps; return a summary."""
     from transformers import AutoModelForCausalLM
 
-    from runtime.tasks import load_tokenizer
+    from runtime.tasks.base import load_tokenizer
 
     steps = config.task.sft_steps
     progress = progress or _default_progress()

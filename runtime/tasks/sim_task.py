@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
-from runtime.tasks import TaskPrompt
+from runtime.tasks.base import TaskPrompt
 
 if TYPE_CHECKING:
     from runtime.config import Config

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from runtime.config import Config
-from runtime.tasks import TaskPrompt
+from runtime.tasks.base import TaskPrompt
 
 MIN_TARGET = 2
 """Shortest target; shorter ones carry no length signal."""

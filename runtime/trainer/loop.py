@@ -24,7 +24,6 @@ from __future__ import annotations
 import logging
 import os
 import signal
-import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -35,6 +34,7 @@ import zmq
 
 from runtime.auth import Role
 from runtime.config import Config, read_run_config
+from runtime.logs import setup_logging
 from runtime.protocol import (
     Batch,
     BatchRequest,
@@ -76,7 +76,7 @@ class StopFlag:
         self.reason = signal.Signals(signum).name
 
 
-class ControllerLink:
+class TrainerPlaneClient:
     """Rank 0's DEALER socket to the controller's trainer ROUTER."""
 
     def __init__(self, run_dir: RunDir) -> None:
@@ -130,7 +130,7 @@ class TrainerProcess:
         self.trainer = trainer
         self.stop = StopFlag()
         self.decoder = Decoder()
-        self.link = ControllerLink(run_dir) if trainer.is_main else None
+        self.link = TrainerPlaneClient(run_dir) if trainer.is_main else None
         self.checkpointed_version = trainer.version
         self.checksums: JsonlWriter | None = None
         if os.environ.get(CHECKSUM_ENV) == "1":
@@ -309,23 +309,6 @@ class TrainerProcess:
             self.checksums.close()
 
 
-def setup_logging(run_dir: RunDir, rank: int) -> None:
-    name = "trainer" if rank == 0 else f"trainer-rank{rank}"
-    path = run_dir.log_file(name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
-    handler.setFormatter(
-        logging.Formatter(f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
-    )
-    root = logging.getLogger()
-    root.addHandler(handler)
-    root.setLevel(logging.INFO)
-    console = logging.StreamHandler(sys.stderr)
-    console.setLevel(logging.WARNING)
-    console.setFormatter(logging.Formatter(f"trainer rank{rank}: %(levelname)s %(message)s"))
-    root.addHandler(console)
-
-
 def run(run_dir: str | Path) -> int:
     """The whole trainer process on one rank; returns the exit code."""
     from runtime.tasks import ensure_model
@@ -333,7 +316,8 @@ def run(run_dir: str | Path) -> int:
     rd = RunDir(run_dir)
     config = read_run_config(rd.root)
     rank = int(os.environ.get("RANK", "0"))
-    setup_logging(rd, rank)
+    name = "trainer" if rank == 0 else f"trainer-rank{rank}"
+    setup_logging(rd.log_file(name), tag=f"rank{rank}", console=logging.WARNING)
     rd.read_endpoints()  # every rank fails fast, before loading anything, if there is no run
     model_path = ensure_model(config)
     trainer = Trainer(config, rd, model_path)
