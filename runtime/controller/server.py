@@ -43,6 +43,7 @@ from runtime.controller.instances import (
     InFlight,
     Instance,
 )
+from runtime.controller.launchers import Launchers
 from runtime.controller.ledger import Ledger
 from runtime.controller.sockets import bind_sockets
 from runtime.controller.state import ControllerState, load_state, save_state
@@ -273,19 +274,19 @@ class Controller:
             self.sockets.telemetry, cfg.telemetry.ring_size, on_event=self._record_event
         )
         addresses = self.sockets.addresses
-        self.rd.write_endpoints(
-            Endpoints(
-                rollout=addresses["rollout"],
-                trainer=addresses["trainer"],
-                telemetry=addresses["telemetry"],
-                control=addresses["control"],
-                controller_pid=os.getpid(),
-                run_name=cfg.run.name,
-                server_public_key=self.sockets.public_key,
-                keys_dir=str(self.rd.keys.resolve()),
-                started_at=time.time(),
-            )
+        endpoints = Endpoints(
+            rollout=addresses["rollout"],
+            trainer=addresses["trainer"],
+            telemetry=addresses["telemetry"],
+            control=addresses["control"],
+            controller_pid=os.getpid(),
+            run_name=cfg.run.name,
+            server_public_key=self.sockets.public_key,
+            keys_dir=str(self.rd.keys.resolve()),
+            started_at=time.time(),
         )
+        self.rd.write_endpoints(endpoints)
+        self.launchers = Launchers(cfg, endpoints, keys)
         from runtime.tracking import Trackers
 
         self.trackers = Trackers(self.rd.root, cfg)
@@ -502,7 +503,9 @@ class Controller:
 
     async def _spawn(self, name: str, argv: list[str]) -> None:
         share = self.resources.share(name)
-        child = await self.supervisor.spawn(name, argv, self.rd.log_file(name), share)
+        launch = self.launchers.wrap(name, argv)  # through ssh/srun/a command for other hosts
+        log_file = self.rd.log_file(name)
+        child = await self.supervisor.spawn(name, launch.argv, log_file, share, launch.stdin)
         if name == SIM_BACKEND:
             started = list(self.instances.values())
         elif name.startswith("worker-"):

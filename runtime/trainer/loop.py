@@ -33,8 +33,7 @@ from typing import Any
 import torch
 import zmq
 
-from runtime.auth import Role
-from runtime.config import Config, read_run_config
+from runtime.auth import KeyPair, Role
 from runtime.protocol import (
     Batch,
     BatchRequest,
@@ -46,7 +45,8 @@ from runtime.protocol import (
     TrainerAck,
     TrainerHello,
 )
-from runtime.rundir import JsonlWriter, RunDir
+from runtime.remote import RunContext, run_context
+from runtime.rundir import Endpoints, JsonlWriter, RunDir
 from runtime.trainer import weights as weights_mod
 from runtime.trainer.train import EmptyBatch, Trainer
 from runtime.transport import connect
@@ -79,11 +79,16 @@ class StopFlag:
 class ControllerLink:
     """Rank 0's DEALER socket to the controller's trainer ROUTER."""
 
-    def __init__(self, run_dir: RunDir) -> None:
-        endpoints = run_dir.read_endpoints()
+    def __init__(self, endpoints: Endpoints, key: KeyPair | None = None) -> None:
         self.context = zmq.Context()
         self.socket = connect(
-            self.context, endpoints, "trainer", Role.TRAINER, identity=b"trainer", linger_ms=1000
+            self.context,
+            endpoints,
+            "trainer",
+            Role.TRAINER,
+            identity=b"trainer",
+            linger_ms=1000,
+            key=key,
         )
         self.encoder = Encoder()
         self.guard = FrameGuard("trainer")
@@ -124,13 +129,13 @@ class _Timing:
 class TrainerProcess:
     """Runs the message loop around a ``Trainer`` on every rank."""
 
-    def __init__(self, config: Config, run_dir: RunDir, trainer: Trainer) -> None:
-        self.config = config
+    def __init__(self, context: RunContext, run_dir: RunDir, trainer: Trainer) -> None:
+        self.config = context.config
         self.run_dir = run_dir
         self.trainer = trainer
         self.stop = StopFlag()
         self.decoder = Decoder()
-        self.link = ControllerLink(run_dir) if trainer.is_main else None
+        self.link = ControllerLink(context.endpoints, context.key) if trainer.is_main else None
         self.checkpointed_version = trainer.version
         self.checksums: JsonlWriter | None = None
         if os.environ.get(CHECKSUM_ENV) == "1":
@@ -309,20 +314,28 @@ class TrainerProcess:
             self.checksums.close()
 
 
-def setup_logging(run_dir: RunDir, rank: int) -> None:
-    name = "trainer" if rank == 0 else f"trainer-rank{rank}"
-    path = run_dir.log_file(name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    handler = logging.FileHandler(path)
-    handler.setFormatter(
-        logging.Formatter(f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
-    )
+def setup_logging(run_dir: RunDir, rank: int, *, to_file: bool = True) -> None:
+    """Each rank logs to its file in ``logs/``, warnings also to stderr; with ``to_file``
+    False (started through a launcher) everything goes to stderr, which the launcher carries
+    back to the controller's host."""
     root = logging.getLogger()
-    root.addHandler(handler)
     root.setLevel(logging.INFO)
+    if to_file:
+        name = "trainer" if rank == 0 else f"trainer-rank{rank}"
+        path = run_dir.log_file(name)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        handler = logging.FileHandler(path)
+        handler.setFormatter(
+            logging.Formatter(f"%(asctime)s %(levelname)s rank{rank} %(name)s: %(message)s")
+        )
+        root.addHandler(handler)
     console = logging.StreamHandler(sys.stderr)
-    console.setLevel(logging.WARNING)
-    console.setFormatter(logging.Formatter(f"trainer rank{rank}: %(levelname)s %(message)s"))
+    console.setLevel(logging.WARNING if to_file else logging.INFO)
+    console.setFormatter(
+        logging.Formatter(f"%(asctime)s trainer rank{rank}: %(levelname)s %(message)s")
+        if not to_file
+        else logging.Formatter(f"trainer rank{rank}: %(levelname)s %(message)s")
+    )
     root.addHandler(console)
 
 
@@ -331,10 +344,11 @@ def run(run_dir: str | Path) -> int:
     from runtime.tasks import ensure_model
 
     rd = RunDir(run_dir)
-    config = read_run_config(rd.root)
+    # Every rank fails fast, before loading anything, if there is no run.
+    context = run_context(rd.root, Role.TRAINER)
+    config = context.config
     rank = int(os.environ.get("RANK", "0"))
-    setup_logging(rd, rank)
-    rd.read_endpoints()  # every rank fails fast, before loading anything, if there is no run
+    setup_logging(rd, rank, to_file=not context.launched)
     model_path = ensure_model(config)
     trainer = Trainer(config, rd, model_path)
     log.info(
@@ -356,7 +370,7 @@ def run(run_dir: str | Path) -> int:
             trainer.publish()
         elif trainer.is_main:
             weights_mod.prune_weights(rd, trainer.version, config.trainer.keep_weight_versions)
-    process = TrainerProcess(config, rd, trainer)
+    process = TrainerProcess(context, rd, trainer)
     try:
         reason = process.run()
     finally:
