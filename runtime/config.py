@@ -164,6 +164,9 @@ class InstanceConfig(_Section):
     host: str = "localhost"
     """Where the worker starts: ``localhost`` (this host), or another host, reached through
     ``launcher`` (ssh, slurm or a command of your own)."""
+    gpus: list[NonNegativeInt] | None = None
+    """GPU indices on its host (``CUDA_VISIBLE_DEVICES``), as many as ``tensor_parallel_size``;
+    unset: whatever the host gives (``srun --gpus-per-task`` gives each task its own)."""
 
 
 class SimBackendConfig(_Section):
@@ -249,6 +252,9 @@ class TrainerConfig(_Section):
     """Where the trainer runs: empty for this host; one host: its ``num_processes`` ranks there;
     several: torchrun on each (``num_processes`` ranks per host), reached through ``launcher``,
     meeting at ``rendezvous``. The run directory must be on a filesystem every host shares."""
+    gpus: list[NonNegativeInt] | None = None
+    """GPU indices of its ranks on each host (``CUDA_VISIBLE_DEVICES``), ``num_processes`` of
+    them; unset: whatever the host gives."""
     rendezvous: str | None = None
     """``host:port`` of torchrun's c10d rendezvous for several ``hosts`` (default
     ``<hosts[0]>:29500``); give an address the other trainer hosts reach."""
@@ -439,7 +445,12 @@ class Config(_Section):
                     f"is below rollout.sampling.n ({self.rollout.sampling.n}); one group "
                     "must fit on an instance"
                 )
-            del instance
+            if instance.gpus is not None and len(instance.gpus) != instance.tensor_parallel_size:
+                raise ValueError(
+                    f"rollout.instances[{i}].gpus: {instance.gpus} lists {len(instance.gpus)} "
+                    f"GPU(s) for tensor_parallel_size {instance.tensor_parallel_size}; give one "
+                    "per tensor-parallel rank"
+                )
         self._check_hosts()
         return self
 
@@ -466,6 +477,12 @@ class Config(_Section):
                     raise ValueError(
                         f"{field}: {name!r} is not a host name (no spaces, not starting with '-')"
                     )
+        gpus = self.trainer.gpus
+        if gpus is not None and len(gpus) != self.trainer.num_processes:
+            raise ValueError(
+                f"trainer.gpus: {gpus} lists {len(gpus)} GPU(s) for num_processes "
+                f"{self.trainer.num_processes}; give one per rank"
+            )
         if len(set(hosts)) != len(hosts):
             raise ValueError(f"trainer.hosts: {hosts} names a host twice")
         if len(hosts) > 1 and set(hosts) & LOCAL_HOSTS:

@@ -268,3 +268,17 @@ def test_fanout_gives_each_the_line_and_ends_the_rest_with_the_first(tmp_path: P
     leftovers = [p for p in psutil.process_iter(["cmdline"]) if "time.sleep(120)" in
                  " ".join(p.info["cmdline"] or [])]  # fmt: skip
     assert not leftovers
+
+
+def test_gpu_indices_become_cuda_visible_devices_here_and_there(tmp_path: Path) -> None:
+    with pytest.raises(ConfigError, match=r"instances\[0\].gpus.*tensor_parallel_size 2"):
+        _config("rollout.instances=[{tensor_parallel_size: 2, gpus: [0]}]")
+    with pytest.raises(ConfigError, match=r"trainer\.gpus"):
+        _config("trainer.gpus=[6]", "trainer.num_processes=2")
+    config = _config(*REMOTE, "rollout.instances=[{gpus: [3]}, {host: n1, gpus: [5]}]",
+                     "trainer.gpus=[6, 7]", "trainer.num_processes=2")  # fmt: skip
+    launchers = Launchers(config, _endpoints(tmp_path), RunKeys(tmp_path / "keys").ensure())
+    assert launchers.wrap("worker-0", WORKER).argv == ["env", "CUDA_VISIBLE_DEVICES=3", *WORKER]
+    assert launchers.wrap("trainer", WORKER).argv[:2] == ["env", "CUDA_VISIBLE_DEVICES=6,7"]
+    remote_line = shlex.split(launchers.wrap("worker-1", WORKER).argv[-1])
+    assert "CUDA_VISIBLE_DEVICES=5" in remote_line

@@ -54,7 +54,12 @@ def remote_env(launcher: LauncherConfig) -> dict[str, str]:
 
 
 def launch_argv(
-    launcher: LauncherConfig, hosts: list[str], command: list[str], *, gpus: int = 0
+    launcher: LauncherConfig,
+    hosts: list[str],
+    command: list[str],
+    *,
+    gpus: int = 0,
+    extra_env: dict[str, str] | None = None,
 ) -> list[str]:
     """The argv, run here, that runs ``command`` on each of ``hosts`` through ``launcher``."""
     python = launcher.python or sys.executable
@@ -62,7 +67,7 @@ def launch_argv(
         command = [python, *command[1:]]  # this interpreter's path may differ over there
     wrapped = [python, "-m", "runtime.remote", "--", *command]
     workdir = launcher.workdir or os.getcwd()
-    env = [f"{k}={v}" for k, v in remote_env(launcher).items()]
+    env = [f"{k}={v}" for k, v in (remote_env(launcher) | (extra_env or {})).items()]
     if launcher.kind == "slurm":
         gpu_args = [f"--gpus-per-task={gpus}"] if launcher.gpus and gpus else []
         return [
@@ -113,20 +118,36 @@ class Launchers:
         if name == TRAINER:
             hosts = self.config.trainer.hosts
         elif name.startswith("worker-"):
-            hosts = [self.config.rollout.instance_list()[int(name.split("-")[1])].host]
+            hosts = [self.config.rollout.instance_list()[_instance_id(name)].host]
         else:
             hosts = []
         return [] if set(hosts) <= LOCAL_HOSTS else list(hosts)
 
+    def gpus(self, name: str) -> list[int] | None:
+        """The configured GPU indices of child ``name`` on its host, if any."""
+        if name == TRAINER:
+            return self.config.trainer.gpus
+        if name.startswith("worker-"):
+            return self.config.rollout.instance_list()[_instance_id(name)].gpus
+        return None
+
     def wrap(self, name: str, argv: list[str]) -> Launch:
-        """``argv`` as is for this host, else through the launcher with the bootstrap."""
+        """``argv`` (with its ``CUDA_VISIBLE_DEVICES``, if configured) as is for this host,
+        else through the launcher with the bootstrap."""
+        gpus = self.gpus(name)
+        env = {"CUDA_VISIBLE_DEVICES": ",".join(map(str, gpus))} if gpus is not None else {}
         hosts = self.hosts(name)
         if not hosts:
-            return Launch(list(argv))
+            return Launch(["env", *(f"{k}={v}" for k, v in env.items()), *argv] if env else argv)
         if name == TRAINER:
-            role, gpus = Role.TRAINER, self.config.trainer.num_processes
+            role, count = Role.TRAINER, self.config.trainer.num_processes
         else:
-            instance = self.config.rollout.instance_list()[int(name.split("-")[1])]
-            role, gpus = Role.WORKER, instance.tensor_parallel_size
+            instance = self.config.rollout.instance_list()[_instance_id(name)]
+            role, count = Role.WORKER, instance.tensor_parallel_size
         line = encode_bootstrap(self.config, self.endpoints, role, self.keys.role_key(role))
-        return Launch(launch_argv(self.config.launcher, hosts, argv, gpus=gpus), stdin=line)
+        launcher = self.config.launcher
+        return Launch(launch_argv(launcher, hosts, argv, gpus=count, extra_env=env), stdin=line)
+
+
+def _instance_id(name: str) -> int:
+    return int(name.split("-")[1])
