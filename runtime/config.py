@@ -162,7 +162,11 @@ class InstanceConfig(_Section):
     max_num_seqs: PositiveInt | None = None
     tensor_parallel_size: PositiveInt = 1
     host: str = "localhost"
-    """Where the worker starts: ``localhost`` or an SSH host."""
+    """Where the worker starts: ``localhost`` (this host), or another host, reached through
+    ``launcher`` (ssh, slurm or a command of your own)."""
+    gpus: list[NonNegativeInt] | None = None
+    """GPU indices on its host (``CUDA_VISIBLE_DEVICES``), as many as ``tensor_parallel_size``;
+    unset: whatever the host gives (``srun --gpus-per-task`` gives each task its own)."""
 
 
 class SimBackendConfig(_Section):
@@ -244,6 +248,16 @@ class TrainerConfig(_Section):
     checkpoint_every: NonNegativeInt = 10
     keep_weight_versions: PositiveInt = 3
     step_timeout_s: PositiveFloat = 600.0
+    hosts: list[str] = []
+    """Where the trainer runs: empty for this host; one host: its ``num_processes`` ranks there;
+    several: torchrun on each (``num_processes`` ranks per host), reached through ``launcher``,
+    meeting at ``rendezvous``. The run directory must be on a filesystem every host shares."""
+    gpus: list[NonNegativeInt] | None = None
+    """GPU indices of its ranks on each host (``CUDA_VISIBLE_DEVICES``), ``num_processes`` of
+    them; unset: whatever the host gives."""
+    rendezvous: str | None = None
+    """``host:port`` of torchrun's c10d rendezvous for several ``hosts`` (default
+    ``<hosts[0]>:29500``); give an address the other trainer hosts reach."""
 
 
 class AsyncConfig(_Section):
@@ -301,9 +315,76 @@ class ResourcesConfig(_Section):
         return sorted(cpus)
 
 
+LOCAL_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+"""Host names that mean "this host": processes start here, without a launcher."""
+
+LAUNCHER_FIELDS = frozenset({"host", "cmd", "env", "workdir"})
+"""The placeholders of ``launcher.command``."""
+
+
+class LauncherConfig(_Section):
+    """How processes start on other hosts (``rollout.instances[i].host``, ``trainer.hosts``).
+
+    What a process needs to join the run (the resolved config, the controller's addresses and
+    public key, its role's secret key) goes to it on the launcher's stdin, never in a file or
+    on a command line. Logs come back on its stdout into ``logs/`` here. File weight sync and
+    the trainer's checkpoints need the run directory on a filesystem every host shares, at the
+    same path."""
+
+    kind: Literal["ssh", "slurm", "command"] = "ssh"
+    """``ssh``: ``ssh HOST 'cd WORKDIR && exec env ... CMD'``; ``slurm``: ``srun --nodelist
+    HOST ...`` inside an allocation; ``command``: ``launcher.command`` run by ``sh -c``."""
+    command: str | None = None
+    """For ``kind: command``: a shell command with ``{cmd}`` (the command to run there) and
+    optionally ``{host}``, ``{env}`` (``env K=V ...``) and ``{workdir}``, each already quoted,
+    e.g. ``ip netns exec {host} {env} {cmd}``."""
+    ssh_options: list[str] = [
+        "-o", "BatchMode=yes", "-o", "ServerAliveInterval=5", "-o", "ServerAliveCountMax=3",
+    ]  # fmt: skip
+    """Options before the host; the defaults never prompt, and notice a dead host in ~15 s."""
+    srun_options: list[str] = []
+    """Extra ``srun`` options, e.g. ``["--partition=gpu"]``."""
+    gpus: bool = True
+    """slurm: ask for GPUs (``--gpus-per-task``): ``tensor_parallel_size`` for a worker,
+    ``trainer.num_processes`` for each trainer host."""
+    python: str | None = None
+    """The Python interpreter on the other hosts (default: this one's path)."""
+    project_dir: str | None = None
+    """Where this project's source is on the other hosts (default: the same path as here)."""
+    workdir: str | None = None
+    """Working directory on the other hosts (default: the controller's), so that a relative
+    run directory means the same there."""
+    env: dict[str, str] = {}
+    """Extra environment there, e.g. ``HF_HOME``, ``OMP_NUM_THREADS`` or ``NCCL_SOCKET_IFNAME``."""
+
+    @field_validator("command")
+    @classmethod
+    def _template(cls, command: str | None) -> str | None:
+        if command is None:
+            return None
+        import string
+
+        try:
+            names = {
+                name for _, name, _, _ in string.Formatter().parse(command) if name is not None
+            }
+        except ValueError as exc:
+            raise ValueError(f"command: not a valid template ({exc})") from None
+        unknown = names - LAUNCHER_FIELDS
+        if unknown:
+            raise ValueError(
+                f"command: unknown placeholder(s) {sorted(unknown)}; allowed: "
+                f"{sorted(LAUNCHER_FIELDS)}"
+            )
+        if "cmd" not in names:
+            raise ValueError("command: needs {cmd}, where the command to run goes")
+        return command
+
+
 class ControllerConfig(_Section):
     host: str = "127.0.0.1"
-    """Bind address. Every socket, loopback too, is CurveZMQ with per-role client keys."""
+    """Bind address. Every socket, loopback too, is CurveZMQ with per-role client keys. With
+    processes on other hosts, an address they reach (or ``0.0.0.0``)."""
     port_base: NonNegativeInt = 0
     """0 picks free ports; otherwise rollout, trainer, telemetry and control use base..base+3."""
 
@@ -318,6 +399,7 @@ class Config(_Section):
     async_: AsyncConfig = Field(AsyncConfig(), alias="async")
     telemetry: TelemetryConfig = TelemetryConfig()
     controller: ControllerConfig = ControllerConfig()
+    launcher: LauncherConfig = LauncherConfig()
     resources: ResourcesConfig = ResourcesConfig()
 
     model_config = ConfigDict(extra="forbid", populate_by_name=True, validate_assignment=True)
@@ -363,8 +445,73 @@ class Config(_Section):
                     f"is below rollout.sampling.n ({self.rollout.sampling.n}); one group "
                     "must fit on an instance"
                 )
-            del instance
+            if instance.gpus is not None and len(instance.gpus) != instance.tensor_parallel_size:
+                raise ValueError(
+                    f"rollout.instances[{i}].gpus: {instance.gpus} lists {len(instance.gpus)} "
+                    f"GPU(s) for tensor_parallel_size {instance.tensor_parallel_size}; give one "
+                    "per tensor-parallel rank"
+                )
+        self._check_hosts()
         return self
+
+    def remote_hosts(self) -> dict[str, list[str]]:
+        """Field -> the other hosts it names (``rollout.instances[i].host``, ``trainer.hosts``)."""
+        found: dict[str, list[str]] = {}
+        for i, instance in enumerate(self.rollout.instance_list()):
+            if instance.host not in LOCAL_HOSTS:
+                found[f"rollout.instances[{i}].host"] = [instance.host]
+        if self.trainer.hosts and set(self.trainer.hosts) - LOCAL_HOSTS:
+            found["trainer.hosts"] = list(self.trainer.hosts)
+        return found
+
+    def _check_hosts(self) -> None:
+        """Cross-field rules for processes on other hosts."""
+        hosts = self.trainer.hosts
+        for field, names in [("trainer.hosts", hosts)] + [
+            (f"rollout.instances[{i}].host", [inst.host])
+            for i, inst in enumerate(self.rollout.instance_list())
+        ]:
+            for name in names:
+                # A name starting with '-' would be read as an option by ssh or srun.
+                if not name or name.startswith("-") or any(c.isspace() for c in name):
+                    raise ValueError(
+                        f"{field}: {name!r} is not a host name (no spaces, not starting with '-')"
+                    )
+        gpus = self.trainer.gpus
+        if gpus is not None and len(gpus) != self.trainer.num_processes:
+            raise ValueError(
+                f"trainer.gpus: {gpus} lists {len(gpus)} GPU(s) for num_processes "
+                f"{self.trainer.num_processes}; give one per rank"
+            )
+        if len(set(hosts)) != len(hosts):
+            raise ValueError(f"trainer.hosts: {hosts} names a host twice")
+        if len(hosts) > 1 and set(hosts) & LOCAL_HOSTS:
+            raise ValueError(
+                f"trainer.hosts: {hosts} mixes this host with others; name this host as the "
+                "other hosts reach it"
+            )
+        remote = self.remote_hosts()
+        if not remote:
+            return
+        first = next(iter(remote))
+        if self.rollout.backend == "sim" and any(f.startswith("rollout") for f in remote):
+            raise ValueError(
+                f"{first}: the sim backend is one process on this host for every instance; "
+                "use localhost"
+            )
+        if self.trainer.backend == "sim" and "trainer.hosts" in remote:
+            raise ValueError("trainer.hosts: the sim trainer runs on this host; leave it empty")
+        if self.controller.host in LOCAL_HOSTS or self.controller.host.startswith("127."):
+            raise ValueError(
+                f"controller.host: {self.controller.host!r} is loopback, which {first} "
+                f"({remote[first][0]}) cannot reach; bind an address of this host on the "
+                "network the other hosts share, or 0.0.0.0"
+            )
+        if self.launcher.kind == "command" and not self.launcher.command:
+            raise ValueError(
+                "launcher.command: launcher.kind 'command' needs a command with {cmd}, e.g. "
+                "'ip netns exec {host} {env} {cmd}'"
+            )
 
     @property
     def run_dir(self) -> Path:
@@ -422,17 +569,26 @@ def load_config(
         file = Path(path)
         if not file.is_file():
             raise ConfigError(f"--config {file}: no such file")
-        try:
-            loaded = yaml.safe_load(file.read_text())
-        except yaml.YAMLError as exc:
-            raise ConfigError(f"--config {file}: not valid YAML: {exc}") from None
-        if loaded is not None and not isinstance(loaded, dict):
-            raise ConfigError(f"--config {file}: the top level must be a mapping of sections")
-        data = loaded or {}
+        data = _yaml_mapping(file.read_text(), f"--config {file}")
     data = deep_merge(data, parse_overrides(overrides))
     if run_dir is not None:
         data = deep_merge(data, {"run": {"run_dir": str(run_dir)}})
     return validate_config(data, source=str(path) if path else "config")
+
+
+def _yaml_mapping(text: str, source: str) -> dict[str, Any]:
+    try:
+        loaded = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise ConfigError(f"{source}: not valid YAML: {exc}") from None
+    if loaded is not None and not isinstance(loaded, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping of sections")
+    return loaded or {}
+
+
+def config_from_yaml(text: str, source: str) -> Config:
+    """A resolved config sent as text (``Config.to_yaml``), e.g. to a process on another host."""
+    return validate_config(_yaml_mapping(text, source), source=source)
 
 
 def validate_config(data: Mapping[str, Any], source: str = "config") -> Config:

@@ -30,6 +30,7 @@ from runtime.config import Config, read_run_config
 from runtime.controller import actions as A
 from runtime.controller.core import ControllerCore
 from runtime.controller.instances import RUNNING
+from runtime.controller.launchers import Launchers
 from runtime.controller.ledger import Ledger
 from runtime.controller.sockets import bind_sockets
 from runtime.controller.state import load_state, save_state
@@ -77,6 +78,7 @@ class ControllerProcess:
         self.supervisor = Supervisor(self._on_child_exit, env=_child_env())
         self.resources: ResourcePlan = plan_resources(self.config)
         self.model_path = self.config.model.path
+        self.launchers: Launchers | None = None
         self._tasks: list[asyncio.Task] = []
         self._command_identity: bytes | None = None
 
@@ -130,19 +132,19 @@ class ControllerProcess:
             self.sockets.telemetry, cfg.telemetry.ring_size, on_event=self._record_event
         )
         addresses = self.sockets.addresses
-        self.rd.write_endpoints(
-            Endpoints(
-                rollout=addresses["rollout"],
-                trainer=addresses["trainer"],
-                telemetry=addresses["telemetry"],
-                control=addresses["control"],
-                controller_pid=os.getpid(),
-                run_name=cfg.run.name,
-                server_public_key=self.sockets.public_key,
-                keys_dir=str(self.rd.keys.resolve()),
-                started_at=time.time(),
-            )
+        endpoints = Endpoints(
+            rollout=addresses["rollout"],
+            trainer=addresses["trainer"],
+            telemetry=addresses["telemetry"],
+            control=addresses["control"],
+            controller_pid=os.getpid(),
+            run_name=cfg.run.name,
+            server_public_key=self.sockets.public_key,
+            keys_dir=str(self.rd.keys.resolve()),
+            started_at=time.time(),
         )
+        self.rd.write_endpoints(endpoints)
+        self.launchers = Launchers(cfg, endpoints, keys)
         from runtime.tracking import Trackers
 
         self.trackers = Trackers(self.rd.root, cfg)
@@ -205,7 +207,10 @@ class ControllerProcess:
             argv = [sys.executable, "-m", "runtime.rollout.worker", "--run-dir", root]
             argv += ["--instance-id", instance]
         share = self.resources.share(name)
-        child = await self.supervisor.spawn(name, argv, self.rd.log_file(name), share)
+        assert self.launchers is not None, "children start after the sockets are bound"
+        launch = self.launchers.wrap(name, argv)  # through ssh/srun/a command for other hosts
+        log_file = self.rd.log_file(name)
+        child = await self.supervisor.spawn(name, launch.argv, log_file, share, launch.stdin)
         if child.pid is not None:
             self._feed(A.ProcessStarted(name, child.pid))
 

@@ -35,6 +35,8 @@ class Child:
     exit_code: int | None = None
     stopping: bool = False
     watcher: asyncio.Task | None = field(default=None, repr=False)
+    stdin: asyncio.StreamWriter | None = field(default=None, repr=False)
+    """Held open for the child's life when it was given input (see ``spawn``)."""
 
     @property
     def pid(self) -> int | None:
@@ -63,10 +65,17 @@ class Supervisor:
         atexit.register(self.kill_all_now)
 
     async def spawn(
-        self, name: str, argv: Sequence[str], log_path: Path, share: Share | None = None
+        self,
+        name: str,
+        argv: Sequence[str],
+        log_path: Path,
+        share: Share | None = None,
+        stdin: bytes | None = None,
     ) -> Child:
         """Start ``argv`` as child ``name``; ``share`` (from the resource plan) sets its threads
-        and, if it has cores of its own, its CPU affinity."""
+        and, if it has cores of its own, its CPU affinity. ``stdin`` is written to the child's
+        standard input, which then stays open until the child exits (a launcher's process on
+        another host ends its command when it sees that input close)."""
         old = self.children.get(name)
         if old is not None and old.alive:
             raise RuntimeError(f"child {name} is still running (pid {old.pid})")
@@ -76,7 +85,7 @@ class Supervisor:
             logf.flush()
             proc = await asyncio.create_subprocess_exec(
                 *argv,
-                stdin=asyncio.subprocess.DEVNULL,
+                stdin=asyncio.subprocess.DEVNULL if stdin is None else asyncio.subprocess.PIPE,
                 stdout=logf,
                 stderr=asyncio.subprocess.STDOUT,
                 start_new_session=True,
@@ -84,7 +93,11 @@ class Supervisor:
                 cwd=self.cwd,
                 env=_with_share(self.env, share),
             )
-        child = Child(name, list(argv), log_path, proc, time.time())
+        child = Child(name, list(argv), log_path, proc, time.time(), stdin=proc.stdin)
+        if proc.stdin is not None and stdin is not None:
+            proc.stdin.write(stdin)
+            with contextlib.suppress(ConnectionError):  # it died at once: the watcher says so
+                await proc.stdin.drain()
         child.watcher = asyncio.create_task(self._watch(child), name=f"watch-{name}")
         self.children[name] = child
         log.info("started %s (pid %d): %s", name, proc.pid, " ".join(argv))
@@ -94,6 +107,8 @@ class Supervisor:
         assert child.proc is not None
         code = await child.proc.wait()
         child.exit_code = code
+        if child.stdin is not None:
+            child.stdin.close()
         # The leader is gone; make sure nothing of its group outlives it (vLLM engine cores).
         _killpg(child.proc.pid, signal.SIGKILL)
         log.info("%s (pid %d) exited with %s", child.name, child.proc.pid, code)

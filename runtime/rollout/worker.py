@@ -411,18 +411,18 @@ async def serve(run_dir: Path, instance_id: int) -> int:
     """Start the engine for ``instance_id`` of the run in ``run_dir`` and serve until told."""
     import torch
 
-    from runtime.config import ConfigError, read_run_config
+    from runtime.config import ConfigError
+    from runtime.remote import run_context
     from runtime.rollout.engine import EngineSpec, resolve_engine_kind, start_engine
-    from runtime.rundir import RunDir
     from runtime.tasks import build_task, ensure_model, load_tokenizer
 
-    config = read_run_config(run_dir)
+    context = run_context(run_dir, Role.WORKER)
+    config = context.config
     if not 0 <= instance_id < config.num_instances:
         raise ConfigError(
             f"--instance-id: {instance_id} is not an instance of this run "
             f"(rollout.instances has {config.num_instances})"
         )
-    endpoints = RunDir(run_dir).read_endpoints()
     instance = config.rollout.instance_list()[instance_id]
     model = ensure_model(config)
     from runtime.tasks.dataset import DatasetTask
@@ -431,14 +431,15 @@ async def serve(run_dir: Path, instance_id: int) -> int:
     extra = [t for t in (DatasetTask.eval_of(config),) if t is not None]
     reward = TaskRewarder(task, load_tokenizer(model), *extra)
 
-    context = zmq.asyncio.Context()
+    zmq_context = zmq.asyncio.Context()
     socket = connect(
-        context,
-        endpoints,
+        zmq_context,
+        context.endpoints,
         "rollout",
         Role.WORKER,
         identity=b"instance-%d" % instance_id,
         linger_ms=1000,
+        key=context.key,
     )
     engine = None
     try:
@@ -479,7 +480,7 @@ async def serve(run_dir: Path, instance_id: int) -> int:
         if engine is not None:
             engine.shutdown()
         socket.close()
-        context.term()
+        zmq_context.term()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -498,16 +499,17 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     from runtime.config import ConfigError
     from runtime.lifetime import arm_forked_children
+    from runtime.remote import launched
     from runtime.rundir import RunDir
 
     if args.die_with_parent:
         die_with_parent()
     arm_forked_children()
-    # The log file also takes vLLM's own output, and its engine core's.
-    log_file = (
-        None if args.log_stdout else RunDir(args.run_dir).log_file(f"worker-{args.instance_id}")
-    )
-    setup_logging(log_file, capture_output=True)
+    # The log file also takes vLLM's own output, and its engine core's. Through a launcher,
+    # stderr is carried back to the head node's logs/.
+    remote = args.log_stdout or launched()
+    log_file = None if remote else RunDir(args.run_dir).log_file(f"worker-{args.instance_id}")
+    setup_logging(log_file, capture_output=not remote)
     try:
         return asyncio.run(serve(args.run_dir, args.instance_id))
     except (ConfigError, FileNotFoundError) as exc:

@@ -32,8 +32,7 @@ from typing import Any
 import torch
 import zmq
 
-from runtime.auth import Role
-from runtime.config import Config, read_run_config
+from runtime.auth import KeyPair, Role
 from runtime.logs import setup_logging
 from runtime.protocol import (
     Batch,
@@ -46,7 +45,8 @@ from runtime.protocol import (
     TrainerAck,
     TrainerHello,
 )
-from runtime.rundir import JsonlWriter, RunDir
+from runtime.remote import RunContext, run_context
+from runtime.rundir import Endpoints, JsonlWriter, RunDir
 from runtime.trainer import weights as weights_mod
 from runtime.trainer.train import EmptyBatch, Trainer
 from runtime.transport import connect
@@ -79,11 +79,16 @@ class StopFlag:
 class TrainerPlaneClient:
     """Rank 0's DEALER socket to the controller's trainer ROUTER."""
 
-    def __init__(self, run_dir: RunDir) -> None:
-        endpoints = run_dir.read_endpoints()
+    def __init__(self, endpoints: Endpoints, key: KeyPair | None = None) -> None:
         self.context = zmq.Context()
         self.socket = connect(
-            self.context, endpoints, "trainer", Role.TRAINER, identity=b"trainer", linger_ms=1000
+            self.context,
+            endpoints,
+            "trainer",
+            Role.TRAINER,
+            identity=b"trainer",
+            linger_ms=1000,
+            key=key,
         )
         self.encoder = Encoder()
         self.guard = FrameGuard("trainer")
@@ -124,13 +129,13 @@ class _Timing:
 class TrainerProcess:
     """Runs the message loop around a ``Trainer`` on every rank."""
 
-    def __init__(self, config: Config, run_dir: RunDir, trainer: Trainer) -> None:
-        self.config = config
+    def __init__(self, context: RunContext, run_dir: RunDir, trainer: Trainer) -> None:
+        self.config = context.config
         self.run_dir = run_dir
         self.trainer = trainer
         self.stop = StopFlag()
         self.decoder = Decoder()
-        self.link = TrainerPlaneClient(run_dir) if trainer.is_main else None
+        self.link = TrainerPlaneClient(context.endpoints, context.key) if trainer.is_main else None
         self.checkpointed_version = trainer.version
         self.checksums: JsonlWriter | None = None
         if os.environ.get(CHECKSUM_ENV) == "1":
@@ -314,11 +319,17 @@ def run(run_dir: str | Path) -> int:
     from runtime.tasks import ensure_model
 
     rd = RunDir(run_dir)
-    config = read_run_config(rd.root)
+    # Every rank fails fast, before loading anything, if there is no run.
+    context = run_context(rd.root, Role.TRAINER)
+    config = context.config
     rank = int(os.environ.get("RANK", "0"))
+    # Through a launcher everything goes to stderr, which it carries back to the head node.
     name = "trainer" if rank == 0 else f"trainer-rank{rank}"
-    setup_logging(rd.log_file(name), tag=f"rank{rank}", console=logging.WARNING)
-    rd.read_endpoints()  # every rank fails fast, before loading anything, if there is no run
+    setup_logging(
+        None if context.launched else rd.log_file(name),
+        tag=f"rank{rank}",
+        console=None if context.launched else logging.WARNING,
+    )
     model_path = ensure_model(config)
     trainer = Trainer(config, rd, model_path)
     log.info(
@@ -340,7 +351,7 @@ def run(run_dir: str | Path) -> int:
             trainer.publish()
         elif trainer.is_main:
             weights_mod.prune_weights(rd, trainer.version, config.trainer.keep_weight_versions)
-    process = TrainerProcess(config, rd, trainer)
+    process = TrainerProcess(context, rd, trainer)
     try:
         reason = process.run()
     finally:
