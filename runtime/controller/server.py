@@ -141,6 +141,8 @@ class Controller:
         self.prompts: dict[int, Any] = {}
         self.prompt_tokens: dict[int, np.ndarray] = {}
         self.weights_path: dict[int, str] = {}
+        self.weight_rendezvous: P.WeightRendezvous | None = None
+        """The trainer's weight server (``async.weight_sync: collective``), from TrainerHello."""
         self.model_path = ""
         self._rr = 0
 
@@ -744,7 +746,10 @@ class Controller:
         inst.sync_target = v
         inst.sync_started = now
         mode = self.config.async_.update_mode
-        self._send_worker(inst, P.UpdateWeights(version=v, path=path, mode=mode))
+        self._send_worker(
+            inst,
+            P.UpdateWeights(version=v, path=path, mode=mode, rendezvous=self.weight_rendezvous),
+        )
         if inst.state != PAUSED:
             self._set_state(inst, SYNCING, now, f"syncing weights v{v}", routine=True)
 
@@ -1289,6 +1294,7 @@ class Controller:
 
     def _on_trainer_hello(self, msg: P.TrainerHello) -> None:
         gov = self.governor
+        self.weight_rendezvous = msg.weight_rendezvous
         if msg.weight_version != gov.version:
             if gov.outstanding or gov.in_flight or gov.queued:
                 self._event(
