@@ -67,6 +67,8 @@ GLOO_LINKS = 2
 _ALIGN = 64
 """Byte offset alignment of each tensor in its bucket, so a view of any dtype is valid."""
 _POLL_S = 1.0
+_IDLE_POLL_S = 0.02
+"""How often an idle server looks for a worker's ticket (one loopback round trip)."""
 
 
 def backend_for(device: torch.device) -> str:
@@ -169,10 +171,13 @@ def pack(
     bucket_bytes: int,
     dtype: torch.dtype | None = None,
     pin_memory: bool = False,
+    reuse: list[torch.Tensor] | None = None,
 ) -> Snapshot:
     """Copy ``tensors`` (any device) into CPU byte buckets, floating ones cast to ``dtype``.
 
-    One copy per tensor, straight from the parameter into its bucket.
+    One copy per tensor, straight from the parameter into its bucket. ``reuse``: the buckets of
+    a snapshot nobody reads any more, taken when the layout is the same (it is, step after
+    step), which spares the page faults of fresh memory.
     """
     items = list(tensors)
     slots: list[TensorSlot] = []
@@ -188,7 +193,10 @@ def pack(
                        offset, nbytes)
         )  # fmt: skip
         sizes[-1] = -(-(offset + nbytes) // _ALIGN) * _ALIGN
-    buckets = [torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory) for size in sizes]
+    if reuse is not None and [b.numel() for b in reuse] == sizes:
+        buckets = reuse
+    else:
+        buckets = [torch.empty(size, dtype=torch.uint8, pin_memory=pin_memory) for size in sizes]
     with torch.no_grad():
         for slot, (_, value) in zip(slots, items, strict=True):
             slot.view(buckets[slot.bucket]).copy_(value.detach())
@@ -213,7 +221,18 @@ class RoundRecord:
 class _State:
     staged: Snapshot | None = None
     served: Snapshot | None = None
+    sending: Snapshot | None = None
+    """The snapshot of the round in progress."""
+    spare: list[torch.Tensor] | None = None
+    """Buckets of a snapshot that is neither staged, served nor being sent."""
     rounds: list[RoundRecord] = field(default_factory=list)
+
+    def retire(self, snapshot: Snapshot | None) -> None:
+        """Keep ``snapshot``'s buckets for the next ``pack`` once nothing refers to it."""
+        if snapshot is not None and all(
+            snapshot is not held for held in (self.staged, self.served, self.sending)
+        ):
+            self.spare = snapshot.buckets
 
 
 class WeightServer:
@@ -274,7 +293,12 @@ class WeightServer:
         dtype: torch.dtype | None = None,
     ) -> Snapshot:
         """Pack ``version``; it is served once ``promote(version)`` says the controller knows it."""
-        snapshot = pack(version, tensors, bucket_bytes, dtype, pin_memory=self.backend == "nccl")
+        with self._changed:
+            dropped, self._state.staged = self._state.staged, None
+            self._state.retire(dropped)  # staged and never promoted (a refused step)
+            spare, self._state.spare = self._state.spare, None
+        pin = self.backend == "nccl"
+        snapshot = pack(version, tensors, bucket_bytes, dtype, pin_memory=pin, reuse=spare)
         with self._changed:
             self._state.staged = snapshot
         return snapshot
@@ -286,7 +310,8 @@ class WeightServer:
             if staged is None or staged.version != version:
                 have = None if staged is None else staged.version
                 raise ValueError(f"promote({version}): the staged version is {have}")
-            self._state.served, self._state.staged = staged, None
+            old, self._state.served, self._state.staged = self._state.served, staged, None
+            self._state.retire(old)
             self._changed.notify_all()
 
     def close(self) -> None:
@@ -304,9 +329,9 @@ class WeightServer:
     def _serve(self) -> None:
         served_tickets, round_no = 0, 0
         while not self._stop.is_set():
-            try:
-                self._store.wait([self._key("want", served_tickets)], _timedelta(_POLL_S))
-            except RuntimeError:  # DistStoreError: nobody asked within the poll
+            # check() rather than a wait with a timeout: c10d logs a warning for every timeout.
+            if not self._store.check([self._key("want", served_tickets)]):
+                self._stop.wait(_IDLE_POLL_S)
                 continue
             time.sleep(self.gather_s)  # let the others told at the same time arrive
             tickets = range(served_tickets, int(self._store.add(self._key("tickets"), 0)))
@@ -320,6 +345,10 @@ class WeightServer:
                 self._round(round_no, tickets, snapshot)
             except Exception:  # one broken round (a worker died in it) must not end the server
                 log.exception("weight round %d (v%d) failed", round_no, snapshot.version)
+            finally:
+                with self._changed:
+                    self._state.sending = None
+                    self._state.retire(snapshot)
             for t in tickets:
                 self._store.delete_key(self._key("want", t))
                 self._store.delete_key(self._key("seat", t))
@@ -331,6 +360,7 @@ class WeightServer:
             while not self._stop.is_set():
                 served = self._state.served
                 if served is not None and served.version >= version:
+                    self._state.sending = served
                     return served
                 self._changed.wait(_POLL_S)
         return None

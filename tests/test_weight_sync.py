@@ -143,6 +143,21 @@ def test_promote_refuses_a_version_that_was_not_staged() -> None:
         server.close()
 
 
+def test_a_retired_snapshot_lends_its_buckets_to_the_next_one() -> None:
+    server = WeightServer("127.0.0.1")
+    try:
+        first = server.stage(1, _weights(1).items(), bucket_bytes=4096)
+        server.promote(1)
+        server.stage(2, _weights(2).items(), bucket_bytes=4096)
+        server.promote(2)  # v1 is retired: nothing stages, serves or sends it
+        third = server.stage(3, _weights(3).items(), bucket_bytes=4096)
+        assert [b.data_ptr() for b in third.buckets] == [b.data_ptr() for b in first.buckets]
+        for slot in third.slots:  # and holds v3, not what v1 left there
+            assert torch.equal(slot.view(third.buckets[slot.bucket]), _weights(3)[slot.name])
+    finally:
+        server.close()
+
+
 def test_the_store_listens_on_the_given_host_only() -> None:
     import psutil
 
