@@ -38,14 +38,10 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:  # run as a script: bench/ is on the path, the repo is not
     sys.path.insert(0, str(REPO))
 
-from runtime.config import Config, TinyModelConfig  # noqa: E402
+from weight_sync import MODELS  # noqa: E402  (bench/weight_sync.py: the tiny and 100M configs)
 
-MODELS = {
-    "tiny": TinyModelConfig(),
-    "100m": TinyModelConfig(
-        hidden_size=768, intermediate_size=2048, num_layers=14, num_heads=12, num_kv_heads=12
-    ),
-}
+from runtime.config import Config  # noqa: E402
+
 CHECKS = ("trainer step", "export", "nccl", "ipc", "vllm")
 
 
