@@ -9,9 +9,12 @@ vLLM's own bookkeeping, which costs both paths alike). One sync, timed from the 
 - ``collective``: ``WeightServer.stage`` (pack into buckets) and ``promote``, then every worker
   takes a seat in a round and copies each bucket's tensors in as they arrive (gloo, loopback).
 
-``memcpy`` is one ``copy_`` of a buffer of the same bytes within one process: the bound for any
-transport that must move the bytes at least once. Models: the tests' tiny Llama and a Llama of
-about 100M parameters built from a config with random weights (nothing is downloaded).
+``memcpy`` is one ``copy_`` of a buffer of the same bytes within one process (torch's threads),
+run between the syncs: the bound for any transport that must move the bytes at least once.
+Columns: ``trainer s`` (publish or stage), ``workers s`` (from the trainer's word until every
+worker holds the weights), ``s/sync`` (both), and each as a multiple of the memcpy. Models: the
+tests' tiny Llama and a Llama of about 100M parameters built from a config with random weights
+(nothing is downloaded).
 
     nice .venv/bin/python bench/weight_sync.py [--models tiny,100m] [--workers 1,2]
         [--repeats 5] [--bucket-mb 64]
@@ -82,16 +85,11 @@ def _worker(name: str, conn: Connection) -> None:
         conn.send(loaded)
 
 
-def memcpy_s(nbytes: int, repeats: int) -> float:
-    """Best time of one ``copy_`` of ``nbytes`` between two buffers."""
-    src = torch.ones(nbytes, dtype=torch.uint8)
-    dst = torch.empty_like(src)
-    best = float("inf")
-    for _ in range(repeats):
-        started = time.perf_counter()
-        dst.copy_(src)
-        best = min(best, time.perf_counter() - started)
-    return best
+def memcpy_s(src: torch.Tensor, dst: torch.Tensor) -> float:
+    """One ``copy_`` of ``src`` into ``dst`` (both touched before)."""
+    started = time.perf_counter()
+    dst.copy_(src)
+    return time.perf_counter() - started
 
 
 def run(
@@ -111,10 +109,13 @@ def run(
         assert pipe.recv() == "ready"
     run_dir = RunDir(scratch / f"{name}-{workers}").create()
     server = WeightServer("127.0.0.1", gather_s=0.01)
-    times: dict[str, list[float]] = {"file": [], "collective": []}
+    src, dst = torch.ones(nbytes, dtype=torch.uint8), torch.zeros(nbytes, dtype=torch.uint8)
+    times: dict[str, list[float]] = {"memcpy": []}
     version = 0
     try:
         for _ in range(repeats):
+            # Interleaved, so that each method and the memcpy see about the same machine.
+            times["memcpy"].append(memcpy_s(src, dst))
             for method in ("file", "collective"):
                 version += 1
                 started = time.perf_counter()
@@ -125,46 +126,51 @@ def run(
                     server.stage(version, tensors.items(), bucket_mb << 20)
                     server.promote(version)
                     job = ("collective", version, server.address, server.token)
+                published = time.perf_counter()
                 for pipe in pipes:
                     pipe.send(job)
                 loaded = [pipe.recv() for pipe in pipes]
-                times[method].append(time.perf_counter() - started)
+                ended = time.perf_counter()
                 assert loaded == [version] * workers, loaded
+                times.setdefault(f"{method}_trainer", []).append(published - started)
+                times.setdefault(f"{method}_workers", []).append(ended - published)
+                times.setdefault(method, []).append(ended - started)
     finally:
         for pipe in pipes:
             pipe.send(None)
         for process in processes:
             process.join(30)
         server.close()
-    copy_s = memcpy_s(nbytes, repeats)
     row: dict[str, float | str] = {
         "model": name,
         "params_m": sum(t.numel() for t in tensors.values()) / 1e6,
         "mb": nbytes / 1e6,
         "workers": workers,
-        "memcpy_s": copy_s,
     }
-    for method, values in times.items():
-        row[f"{method}_s"] = statistics.median(values)
+    for key, values in times.items():
+        row[key] = statistics.median(values)
     return row
 
 
 def print_table(rows: Sequence[dict[str, float | str]]) -> None:
     header = (
-        f"{'model':>6} {'params':>7} {'MB':>7} {'workers':>7} {'method':>10} "
-        f"{'s/sync':>8} {'GB/s':>6} {'memcpy s':>9} {'memcpy GB/s':>11} {'x memcpy':>8}"
+        f"{'model':>6} {'params':>7} {'MB':>6} {'workers':>7} {'method':>10} {'trainer s':>9} "
+        f"{'workers s':>9} {'s/sync':>7} {'GB/s':>6} {'memcpy s':>8} {'memcpy GB/s':>11} "
+        f"{'x memcpy':>8} {'workers x':>9}"
     )
     print(header)
     print("-" * len(header))
     for row in rows:
         nbytes = float(row["mb"]) * 1e6
-        copy_s = float(row["memcpy_s"])
+        copy_s = float(row["memcpy"])
         for method in ("file", "collective"):
-            seconds = float(row[f"{method}_s"])
+            total = float(row[method])
+            held = float(row[f"{method}_workers"])
             print(
-                f"{row['model']:>6} {float(row['params_m']):>6.1f}M {float(row['mb']):>7.1f} "
-                f"{row['workers']:>7} {method:>10} {seconds:>8.3f} {nbytes / seconds / 1e9:>6.2f} "
-                f"{copy_s:>9.4f} {nbytes / copy_s / 1e9:>11.2f} {seconds / copy_s:>8.1f}"
+                f"{row['model']:>6} {float(row['params_m']):>6.1f}M {float(row['mb']):>6.1f} "
+                f"{row['workers']:>7} {method:>10} {float(row[f'{method}_trainer']):>9.3f} "
+                f"{held:>9.3f} {total:>7.3f} {nbytes / total / 1e9:>6.2f} {copy_s:>8.4f} "
+                f"{nbytes / copy_s / 1e9:>11.2f} {total / copy_s:>8.1f} {held / copy_s:>9.1f}"
             )
 
 
