@@ -361,6 +361,8 @@ def test_trainer_and_two_vllm_workers_sync_by_gloo(tmp_path: Path) -> None:
             stand_in.send(identity, Shutdown(reason="test"))
         stand_in.send(b"trainer", Shutdown(reason="test"))
         assert trainer.wait(timeout=60) == 0
+        # At the end the trainer writes the last version's file, which the final export reads.
+        assert [p.name for p in run_dir.weights.glob("*.safetensors")] == ["v000002.safetensors"]
         assert [w.wait(timeout=60) for w in workers if w is not None] == [0, 0]
         log = run_dir.log_file("trainer").read_text()
         assert "weights v1 to " in log and "weights v2 to " in log

@@ -312,6 +312,14 @@ class TrainerProcess:
 
     def _shutdown(self, reason: str) -> str:
         log.info("shutting down at version %d: %s", self.trainer.version, reason)
+        trainer = self.trainer
+        if (
+            self.config.async_.weight_sync == "collective"
+            and trainer.version > 0
+            and not self.run_dir.weights_file(trainer.version).exists()
+        ):
+            # Steps published no files; the run's final export (and asp-tui export) reads one.
+            trainer.write_weights_file()
         if self.trainer.version > self.checkpointed_version:
             self._checkpoint()
         return reason

@@ -271,6 +271,10 @@ class Trainer:
             for _ in weights_mod.state_items(model):  # rank 0's gathers, in step (FSDP)
                 pass
             return None
+        return self.write_weights_file()
+
+    def write_weights_file(self) -> Path:
+        """Write ``version``'s safetensors file (rank 0 writes; every rank must call this)."""
         tensors = self.export_weights()
         # Absolute, so a worker started from another directory can open it.
         path = self.run_dir.weights_file(self.version).resolve()
