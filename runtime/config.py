@@ -263,12 +263,28 @@ class TrainerConfig(_Section):
 class AsyncConfig(_Section):
     lag_bound: NonNegativeInt = 1
     on_lag_decrease: Literal["wait", "abort"] = "wait"
-    weight_sync: Literal["file", "nccl"] = "file"
+    weight_sync: Literal["file", "collective"] = "file"
+    """``file``: each step writes safetensors that every worker reloads (one host, or a shared
+    filesystem). ``collective``: trainer rank 0 broadcasts the weights into the workers over a
+    torch.distributed group, gloo on CPUs and NCCL on GPUs (runtime/collective.py)."""
+    weight_bucket_mb: PositiveInt = 256
+    """``collective``: the broadcast's bucket size; a worker holds a few buckets, not the
+    model, while it loads."""
     update_mode: Literal["boundary", "keep", "inflight"] = "boundary"
     """How a worker loads new weights under running samples: ``boundary`` lets them finish on
     the old weights first; ``keep`` freezes them and recomputes their KV on the new weights;
     ``inflight`` freezes them for the reload only and keeps their KV (no prefix caching)."""
     max_lag_bound: NonNegativeInt = 16
+
+    @field_validator("weight_sync", mode="before")
+    @classmethod
+    def _nccl_is_collective(cls, value: object) -> object:
+        if value == "nccl":
+            raise ValueError(
+                "'nccl' is spelled 'collective' (NCCL on GPUs, gloo on CPUs); "
+                "use 'collective' or 'file'"
+            )
+        return value
 
 
 class WandbConfig(_Section):
@@ -425,11 +441,10 @@ class Config(_Section):
                 "simulated instances take their output lengths from the sim task's trace, so "
                 "use task.name: sim exactly when rollout.backend is sim"
             )
-        if self.async_.weight_sync == "nccl" and self.rollout.backend == "vllm":
-            # Refused here, before any process starts, rather than by every worker at start-up.
+        if self.async_.weight_sync == "collective" and self.trainer.backend != "torch":
             raise ValueError(
-                "async.weight_sync: 'nccl' is reserved for GPU hosts and not built yet (it needs "
-                "vLLM's weight-transfer engine); use 'file'"
+                "async.weight_sync: 'collective' broadcasts a torch trainer's weights; the sim "
+                "trainer has none, so use 'file' with trainer.backend: sim"
             )
         if self.rollout.backend == "sim" and self.trainer.backend != "sim":
             raise ValueError(

@@ -122,10 +122,27 @@ class ResumeWorker(_Message):
     pass
 
 
+class WeightRendezvous(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """Trainer rank 0's weight server (``async.weight_sync: collective``, runtime/collective.py).
+
+    ``token`` prefixes every key of the unauthenticated store, so it only travels on
+    authenticated sockets (TrainerHello, UpdateWeights)."""
+
+    address: str
+    """``host:port`` of the server's TCPStore."""
+    token: str
+    backend: str
+    """``gloo`` or ``nccl``."""
+
+
 class UpdateWeights(_Message):
+    """Load weight ``version``: from the file at ``path``, or, with a ``rendezvous``, from the
+    trainer's weight server (which may serve a newer version; the ack says which)."""
+
     version: int
     path: str
     mode: str = "boundary"
+    rendezvous: WeightRendezvous | None = None
 
 
 class AbortGroups(_Message):
@@ -153,6 +170,8 @@ class TrainerHello(_Message):
     num_processes: int
     weight_version: int
     pid: int
+    weight_rendezvous: WeightRendezvous | None = None
+    """Set when the trainer serves weights collectively; the controller passes it on."""
 
 
 class BatchRequest(_Message):

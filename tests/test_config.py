@@ -45,7 +45,8 @@ def test_malformed_override_is_refused(item: str) -> None:
         ("rollout.instances=[{max_num_seqs: 2}]", "rollout.instances[0].max_num_seqs", "below"),
         ("telemetry.hz=-1", "telemetry.hz", "greater than 0"),
         ("rollout.backend=sim", "task.name", "use task.name: sim"),
-        ("async.weight_sync=nccl", "async.weight_sync", "use 'file'"),
+        ("async.weight_sync=nccl", "async.weight_sync", "use 'collective' or 'file'"),
+        ("async.weight_sync=shm", "async.weight_sync", "'file' or 'collective'"),
     ],
 )
 def test_errors_name_the_field_the_value_and_what_is_allowed(

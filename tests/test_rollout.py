@@ -24,6 +24,7 @@ import psutil
 import pytest
 import torch
 import zmq
+from hf_reference import hf_greedy, hf_model
 from safetensors.torch import load_file, save_file
 
 from runtime.config import Config
@@ -253,27 +254,6 @@ def _done(worker: WorkerHandle, group_id: int, timeout_s: float = 60.0) -> Group
     return worker.stub.recv(GroupDone, timeout_s, lambda m: m.group_id == group_id)
 
 
-def _hf_model(weights: dict[str, torch.Tensor], model_dir: Path):
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    model.load_state_dict(weights, strict=True)
-    return model.eval()
-
-
-@torch.no_grad()
-def _hf_greedy(model: Any, prompt: np.ndarray, max_tokens: int, eos: int) -> list[int]:
-    ids = torch.tensor([prompt.tolist()], dtype=torch.long)
-    out: list[int] = []
-    for _ in range(max_tokens):
-        token = int(model(input_ids=ids).logits[0, -1].argmax())
-        out.append(token)
-        if token == eos:
-            break
-        ids = torch.cat([ids, torch.tensor([[token]])], dim=1)
-    return out
-
-
 @torch.no_grad()
 def _hf_logprobs(model: Any, prompt: np.ndarray, tokens: np.ndarray, temperature: float):
     ids = torch.tensor([prompt.tolist() + tokens.tolist()], dtype=torch.long)
@@ -332,7 +312,7 @@ def test_generate_returns_the_group_with_behaviour_logprobs(worker: WorkerHandle
     done = _done(worker, message.group_id)
     assert (done.prompt_id, done.instance_id, len(done.completions)) == (message.prompt_id, 0, 4)
     assert done.started_at <= done.finished_at
-    model = _hf_model(worker.weights, worker.model_dir)
+    model = hf_model(worker.weights, worker.model_dir)
     for completion in done.completions:
         assert completion.token_ids.dtype == np.int32
         assert completion.logprobs.dtype == np.float32
@@ -352,20 +332,20 @@ def test_generate_returns_the_group_with_behaviour_logprobs(worker: WorkerHandle
 
 def test_greedy_after_weight_update_matches_hugging_face(worker: WorkerHandle) -> None:
     worker.ensure()
-    old = _hf_model(worker.weights, worker.model_dir)
+    old = hf_model(worker.weights, worker.model_dir)
     version = _update(worker, "boundary", scale=0.2)
     ack = _ack(worker, "update_weights")
     assert ack.ok and ack.weight_version == version, ack.detail
-    new = _hf_model(worker.weights, worker.model_dir)
+    new = hf_model(worker.weights, worker.model_dir)
     eos = vocabulary()[EOS]
     changed = 0
     for index in range(3):
         message = _generate(worker, index=index, n=1, max_tokens=24, temperature=0.0)
         (completion,) = _done(worker, message.group_id).completions
-        expected = _hf_greedy(new, message.prompt_token_ids, 24, eos)
+        expected = hf_greedy(new, message.prompt_token_ids, 24, eos)
         assert completion.token_ids.tolist() == expected
         assert completion.version_min == completion.version_max == version
-        changed += expected != _hf_greedy(old, message.prompt_token_ids, 24, eos)
+        changed += expected != hf_greedy(old, message.prompt_token_ids, 24, eos)
     assert changed, "the perturbation did not change any greedy output; the test proves nothing"
 
 

@@ -62,6 +62,8 @@ class Fleet:
         self._request_stop = request_stop
         self._on_resize = on_resize
         self.stopping = False
+        self.weight_rendezvous: P.WeightRendezvous | None = None
+        """Where the trainer serves weights (``async.weight_sync: collective``; None: files)."""
         self.sync_started_at: float | None = None
         self.last_sync_s = 0.0
         self._restart_generation: dict[str, int] = {}
@@ -162,7 +164,8 @@ class Fleet:
         inst.sync_started = now
         mode = self.config.async_.update_mode
         path = self._locate_weights(v)
-        self.outbox.to_instance(inst.instance_id, P.UpdateWeights(version=v, path=path, mode=mode))
+        update = P.UpdateWeights(version=v, path=path, mode=mode, rendezvous=self.weight_rendezvous)
+        self.outbox.to_instance(inst.instance_id, update)
         if inst.state != PAUSED:
             self.set_state(inst, SYNCING, now, f"syncing weights v{v}", routine=True)
 

@@ -101,6 +101,8 @@ class TrainerSide:
 
     def _on_hello(self, msg: P.TrainerHello) -> None:
         gov = self.governor
+        # Before any sync below: the workers must learn where the weights are served.
+        self.fleet.weight_rendezvous = msg.weight_rendezvous
         if msg.weight_version != gov.version:
             if gov.outstanding or gov.in_flight or gov.queued:
                 self.outbox.publish(

@@ -11,9 +11,10 @@ this file. Two engines implement it, chosen by ``EngineSpec.engine``:
 - ``AsyncEngine`` runs ``AsyncLLM``, whose engine core is its own process: on GPUs the scheduling
   overlaps the forward pass, and tensor parallelism needs it.
 
-Weight transport sits behind ``WeightSync``: ``FileWeightSync`` reloads a safetensors file in place
-through ``worker_extension_cls``; a GPU transport (vLLM's native weight-transfer engine over NCCL)
-is the second implementation of the same protocol, see ``make_weight_sync``.
+Weights arrive through ``worker_extension_cls`` (``weight_extension.py``), see ``load_weights``:
+a safetensors file reloaded in place (``async.weight_sync: file``), or a broadcast from trainer
+rank 0 over a torch.distributed group, gloo on CPUs and NCCL on GPUs (``collective``, see
+``runtime/collective.py``).
 
 Weight versions: the engine labels every output token with the version that sampled it
 (``set_weight_version``; outputs carry ``weight_versions`` spans), so a sample that lived through
@@ -29,7 +30,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
 import numpy as np
 from vllm import SamplingParams
@@ -61,7 +62,6 @@ class EngineSpec:
     seed: int = 0
     tensor_parallel_size: int = 1
     max_model_len: int | None = None
-    weight_sync: str = "file"
     enforce_eager: bool = True
     """CPU runs eagerly (torch.compile costs minutes on 2 cores); GPUs may turn it off."""
     engine: str = "inproc"
@@ -100,38 +100,59 @@ WorkerCall = Callable[..., Awaitable[list[Any]]]
 """``call_workers(method, *args)``: run a worker-extension method on every vLLM worker."""
 
 
-class WeightSync(Protocol):
-    """Moves one published weight version into a running engine (the engine is paused)."""
+@dataclass(frozen=True, slots=True)
+class WeightSource:
+    """Where weight ``version`` comes from: the safetensors file at ``path``, or, with an
+    ``address``, the trainer's weight server (``runtime.collective``), which may serve a newer
+    version than asked."""
 
-    async def load(self, call_workers: WorkerCall, version: int, path: str) -> None: ...
-
-
-class FileWeightSync:
-    """Reload a safetensors file in place on every vLLM worker (CPU and GPU, one host)."""
-
-    async def load(self, call_workers: WorkerCall, version: int, path: str) -> None:
-        counts = await call_workers("reload_weights_from", path)
-        if not counts or min(counts) == 0:
-            raise RuntimeError(f"weights file {path} held no tensors (per worker: {counts})")
+    version: int
+    path: str = ""
+    address: str = ""
+    token: str = ""
 
 
-def make_weight_sync(method: str) -> WeightSync:
-    """The ``async.weight_sync`` transport.
+COLLECTIVE_TIMEOUT_S = 300.0
+"""How long a worker waits for its round, and for each bucket of it."""
 
-    ``nccl`` is the seam for GPUs: vLLM's native weight-transfer API
-    (``init_weight_transfer_engine`` once, then per version ``start_weight_update`` ->
-    ``update_weights`` while the trainer broadcasts -> ``finish_weight_update``) implements
-    ``WeightSync.load`` there, with the trainer side in ``runtime/trainer``. It needs CUDA and
-    is not built yet; it is refused here instead of being faked.
+
+async def _load_file(call_workers: WorkerCall, path: str) -> None:
+    counts = await call_workers("reload_weights_from", path)
+    if not counts or min(counts) == 0:
+        raise RuntimeError(f"weights file {path} held no tensors (per worker: {counts})")
+
+
+async def load_weights(call_workers: WorkerCall, source: WeightSource) -> int:
+    """Load ``source`` on every vLLM worker of an engine (paused); returns the version loaded.
+
+    A collective load that fails (trainer unreachable, a round broken by a dying peer) falls
+    back to the file when there is one at that version.
     """
-    if method == "file":
-        return FileWeightSync()
-    if method == "nccl":
-        raise NotImplementedError(
-            "async.weight_sync: 'nccl' needs GPUs and vLLM's weight-transfer engine, which this "
-            "build does not wire up yet; use 'file'"
-        )
-    raise ValueError(f"async.weight_sync: {method!r} is not one of 'file', 'nccl'")
+    if not source.address:
+        await _load_file(call_workers, source.path)
+        return source.version
+    want = source.version
+    try:
+        # Tensor-parallel ranks take their seats independently; should a promotion fall
+        # between their rounds, the ones behind fetch again.
+        for _ in range(3):
+            results = await call_workers(
+                "load_weights_collective", source.address, source.token, want,
+                COLLECTIVE_TIMEOUT_S,
+            )  # fmt: skip
+            if not results or min(count for _, count in results) == 0:
+                raise RuntimeError(f"the weight round sent no tensors (per worker: {results})")
+            versions = {int(version) for version, _ in results}
+            if len(versions) == 1:
+                return versions.pop()
+            want = max(versions)
+        raise RuntimeError(f"tensor-parallel ranks loaded different versions: {versions}")
+    except Exception as exc:
+        if source.path and os.path.isfile(source.path):
+            log.warning("collective weight load failed (%s); loading %s", exc, source.path)
+            await _load_file(call_workers, source.path)
+            return source.version
+        raise RuntimeError(f"collective weight load from {source.address} failed: {exc}") from exc
 
 
 @dataclass(slots=True)
@@ -186,9 +207,8 @@ class RolloutEngine(ABC):
     that child fires when the *thread* that created it ends.
     """
 
-    def __init__(self, spec: EngineSpec, weight_sync: WeightSync) -> None:
+    def __init__(self, spec: EngineSpec) -> None:
         self.spec = spec
-        self._weight_sync = weight_sync
         self.weight_version = 0
         self.tokens_generated = 0
         self._streams: dict[str, _Stream] = {}
@@ -299,8 +319,11 @@ class RolloutEngine(ABC):
         await self._resume()
         self._paused = False
 
-    async def update_weights(self, version: int, path: str, mode: UpdateMode) -> float:
-        """Load weight ``version`` from ``path``; returns the seconds the engine was held.
+    async def update_weights(self, source: WeightSource, mode: UpdateMode) -> float:
+        """Load the weights of ``source``; returns the seconds the engine was held.
+
+        ``weight_version`` is then the version loaded: ``source.version``, or a newer one that
+        the trainer's weight server had by then.
 
         ``boundary``: in-flight requests finish on the old weights (pause ``wait``), then the
         reload. ``keep``: in-flight requests freeze (pause ``keep``), the reload happens under
@@ -322,7 +345,7 @@ class RolloutEngine(ABC):
         was_paused = self._paused
         if not was_paused:
             await self._pause("wait" if mode == "boundary" else "keep", clear_cache=False)
-        await self._weight_sync.load(self.call_workers, version, path)
+        version = await load_weights(self.call_workers, source)
         # Preempts any frozen request (recomputed on resume), so the reset cannot be refused.
         if self.spec.prefix_caching and not await self._reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")
@@ -336,14 +359,14 @@ class RolloutEngine(ABC):
 class AsyncEngine(RolloutEngine):
     """``AsyncLLM``: the engine core runs in its own process (GPUs, tensor parallelism)."""
 
-    def __init__(self, llm: AsyncLLM, spec: EngineSpec, weight_sync: WeightSync) -> None:
-        super().__init__(spec, weight_sync)
+    def __init__(self, llm: AsyncLLM, spec: EngineSpec) -> None:
+        super().__init__(spec)
         self._llm = llm
 
     @classmethod
-    def create(cls, spec: EngineSpec, weight_sync: WeightSync) -> AsyncEngine:
+    def create(cls, spec: EngineSpec) -> AsyncEngine:
         args = AsyncEngineArgs(**_engine_args(spec), worker_extension_cls=EXTENSION_CLS)
-        return cls(AsyncLLM.from_engine_args(args), spec, weight_sync)
+        return cls(AsyncLLM.from_engine_args(args), spec)
 
     def _outputs(
         self, request_id: str, prompt: dict[str, Any], params: SamplingParams
@@ -389,8 +412,8 @@ class InprocEngine(RolloutEngine):
     simply stops stepping.
     """
 
-    def __init__(self, llm: LLMEngine, spec: EngineSpec, weight_sync: WeightSync) -> None:
-        super().__init__(spec, weight_sync)
+    def __init__(self, llm: LLMEngine, spec: EngineSpec) -> None:
+        super().__init__(spec)
         self._llm = llm
         self._queues: dict[str, asyncio.Queue[Any]] = {}
         self._held: dict[str, tuple[dict[str, Any], SamplingParams]] = {}
@@ -404,7 +427,7 @@ class InprocEngine(RolloutEngine):
         self._loop_task = asyncio.create_task(self._step_loop(), name="vllm-steps")
 
     @classmethod
-    def create(cls, spec: EngineSpec, weight_sync: WeightSync) -> InprocEngine:
+    def create(cls, spec: EngineSpec) -> InprocEngine:
         args = EngineArgs(
             **_engine_args(spec),
             worker_extension_cls=EXTENSION_CLS,
@@ -413,7 +436,7 @@ class InprocEngine(RolloutEngine):
         # LLMEngine puts its engine core in a process of its own unless this is off.
         os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         llm = LLMEngine.from_engine_args(args, enable_multiprocessing=False)
-        return cls(llm, spec, weight_sync)
+        return cls(llm, spec)
 
     async def _step_loop(self) -> None:
         llm = self._llm
@@ -497,7 +520,9 @@ class InprocEngine(RolloutEngine):
         self._llm.set_weight_version(str(version))
 
     async def call_workers(self, method: str, *args: Any) -> list[Any]:
-        return self._llm.collective_rpc(method, args=args)
+        # In a thread, so heartbeats go on while a weight load waits for its round. The engine
+        # is paused meanwhile: nothing else touches vLLM until this returns.
+        return await asyncio.to_thread(self._llm.collective_rpc, method, args=args)
 
     @property
     def errored(self) -> bool:
@@ -522,9 +547,8 @@ async def start_engine(spec: EngineSpec, weight_version: int = 0) -> RolloutEngi
     """Start the engine ``spec.engine`` names, at ``weight_version``."""
     if spec.engine not in ENGINE_KINDS:
         raise ValueError(f"rollout.engine: {spec.engine!r} is not one of {ENGINE_KINDS}")
-    weight_sync = make_weight_sync(spec.weight_sync)
     kind = InprocEngine if spec.engine == "inproc" else AsyncEngine
-    engine = kind.create(spec, weight_sync)
+    engine = kind.create(spec)
     await engine._set_weight_version(weight_version)
     engine.weight_version = weight_version
     return engine

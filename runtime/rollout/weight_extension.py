@@ -1,9 +1,10 @@
 """Methods mixed into every vLLM worker (``worker_extension_cls``), called via ``collective_rpc``.
 
 This module runs inside vLLM's worker processes, not in the rollout worker itself, so it imports
-only torch and safetensors. vLLM resolves ``runtime.rollout.weight_extension.WeightReloadExtension``
-by name and adds it to the bases of its worker class; ``self`` is then the vLLM worker, with
-``self.model_runner`` and ``self.device``.
+only torch, safetensors and ``runtime.collective`` (torch only). vLLM resolves
+``runtime.rollout.weight_extension.WeightReloadExtension`` by name and adds it to the bases of
+its worker class; ``self`` is then the vLLM worker, with ``self.model_runner`` and
+``self.device``.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import torch
 
 
 class WeightReloadExtension:
-    """In-place weight reload from a safetensors file written by the trainer."""
+    """In-place weight reload: from a safetensors file, or from the trainer's broadcast."""
 
     model_runner: object
     device: torch.device
@@ -40,6 +41,29 @@ class WeightReloadExtension:
         # Worker.reload_weights enters vLLM's config context, which the loaders need.
         self.reload_weights(weights_iterator=tensors())  # type: ignore[attr-defined]
         return count
+
+    def load_weights_collective(
+        self, address: str, token: str, want: int, timeout_s: float
+    ) -> tuple[int, int]:
+        """Take a seat in the trainer's next weight round (``runtime.collective``) and load what
+        it broadcasts, bucket by bucket. Returns ``(version loaded, tensors read)``."""
+        from runtime.collective import Fetch
+
+        fetch = Fetch(address, token, want, self.device, timeout_s=timeout_s)
+        received = fetch.tensors()
+        count = 0
+
+        def counted() -> Iterator[tuple[str, torch.Tensor]]:
+            nonlocal count
+            for item in received:
+                count += 1
+                yield item
+
+        try:
+            self.reload_weights(weights_iterator=counted())  # type: ignore[attr-defined]
+        finally:
+            received.close()  # receives whatever the loader left, so the round can finish
+        return fetch.version, count
 
     def weight_checksum(self) -> float:
         """Sum of every parameter, as float64: a cheap probe that a reload changed the model."""

@@ -10,8 +10,9 @@ starts the engine on weight version 0 and says ``WorkerHello``. Then it heartbea
   aborted, or as ``GroupFailed`` if a reward function failed on it (traceback in this log).
   Groups run concurrently; vLLM schedules up to ``max_num_seqs`` sequences.
 - ``PauseWorker(mode)`` / ``ResumeWorker``: vLLM's own pause (``keep``, ``wait``, ``abort``).
-- ``UpdateWeights(version, path, mode)``: in place, ``boundary`` or ``keep`` (see
-  ``RolloutEngine.update_weights``). Generates that arrive meanwhile wait behind it.
+- ``UpdateWeights(version, path, mode, rendezvous)``: in place, ``boundary`` or ``keep`` (see
+  ``RolloutEngine.update_weights``), from the file or, with a rendezvous, from the trainer's
+  broadcast (``runtime/collective.py``). Generates that arrive meanwhile wait behind it.
 - ``AbortGroups``: ends those groups with ``GroupAborted``. ``Shutdown``: clean exit.
 
 Control requests run one at a time, in arrival order, and each ends with a ``WorkerAck``.
@@ -276,21 +277,32 @@ class RolloutWorker:
             return False, f"version {message.version} is older than the loaded {current}"
         if message.version == current:
             return True, f"already at version {current}"
-        if not Path(message.path).is_file():
+        from runtime.rollout.engine import WeightSource
+
+        rendezvous = message.rendezvous
+        if rendezvous is None and not Path(message.path).is_file():
             return False, f"weights file {message.path} does not exist"
+        source = WeightSource(
+            version=message.version,
+            path=message.path,
+            address=rendezvous.address if rendezvous else "",
+            token=rendezvous.token if rendezvous else "",
+        )
         try:
-            held_s = await self.engine.update_weights(message.version, message.path, message.mode)
+            held_s = await self.engine.update_weights(source, message.mode)
         except (ValueError, RuntimeError, OSError) as exc:
             return False, f"{type(exc).__name__}: {exc}"
+        loaded = self.engine.weight_version
+        origin = f"{rendezvous.backend} from {rendezvous.address}" if rendezvous else message.path
         log.info(
-            "weights v%d -> v%d (%s) from %s; engine held %.3f s",
+            "weights v%d -> v%d (%s) by %s; engine held %.3f s",
             current,
-            message.version,
+            loaded,
             message.mode,
-            message.path,
+            origin,
             held_s,
         )
-        return True, f"mode {message.mode}, engine held {held_s:.3f} s"
+        return True, f"mode {message.mode}, v{loaded} by {origin}, engine held {held_s:.3f} s"
 
     async def _abort(self, message: AbortGroups) -> None:
         async with self._control:
@@ -452,7 +464,6 @@ async def serve(run_dir: Path, instance_id: int) -> int:
                 kv_cache_gib=config.rollout.kv_cache_gib,
                 seed=config.run.seed + instance_id,
                 tensor_parallel_size=instance.tensor_parallel_size,
-                weight_sync=config.async_.weight_sync,
                 engine=resolve_engine_kind(config.rollout.engine, instance.tensor_parallel_size),
                 prefix_caching=config.async_.update_mode != "inflight",
             )

@@ -28,11 +28,14 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
+from urllib.parse import urlsplit
 
 import torch
 import zmq
 
 from runtime.auth import KeyPair, Role
+from runtime.collective import WeightServer, local_address_towards
+from runtime.config import Config
 from runtime.logs import setup_logging
 from runtime.protocol import (
     Batch,
@@ -44,6 +47,7 @@ from runtime.protocol import (
     StepDone,
     TrainerAck,
     TrainerHello,
+    WeightRendezvous,
 )
 from runtime.remote import RunContext, run_context
 from runtime.rundir import Endpoints, JsonlWriter, RunDir
@@ -54,6 +58,8 @@ from runtime.transport import connect
 log = logging.getLogger("runtime.trainer")
 
 _TICK_S = 1.0
+WEIGHT_PORT_OFFSET = 4
+"""The weight server's port is ``controller.port_base + 4`` (the controller's are +0..+3)."""
 CHECKSUM_ENV = "ASP_TUI_TRAINER_CHECKSUMS"
 """Set to 1 to make every rank append the sha256 of its own weights after each step to
 ``state/trainer-checksums-rank<r>.jsonl`` (tests use it to prove the ranks agree)."""
@@ -199,11 +205,17 @@ class TrainerProcess:
         trainer = self.trainer
         self.stop.install()
         if self.link is not None:
+            server = trainer.weight_server
             self.link.send(
                 TrainerHello(
                     num_processes=trainer.world_size,
                     weight_version=trainer.version,
                     pid=os.getpid(),
+                    weight_rendezvous=None
+                    if server is None
+                    else WeightRendezvous(
+                        address=server.address, token=server.token, backend=server.backend
+                    ),
                 )
             )
         timing = _Timing()
@@ -220,6 +232,9 @@ class TrainerProcess:
                     log.warning(
                         "controller acknowledged step %d with: %s", trainer.version, value.detail
                     )
+                elif trainer.weight_server is not None:
+                    # The controller knows this version now: workers may load it.
+                    trainer.weight_server.promote(trainer.version)
                 timing.acknowledge = False
                 if self.config.trainer.checkpoint_every and (
                     trainer.version % self.config.trainer.checkpoint_every == 0
@@ -274,7 +289,7 @@ class TrainerProcess:
             )
         if self.link is not None:
             self.link.send(
-                StepDone(version=trainer.version, weights_path=str(path), metrics=metrics)
+                StepDone(version=trainer.version, weights_path=str(path or ""), metrics=metrics)
             )
             log.info(
                 "step %d: loss %.4f reward %.3f samples %d tokens %d clip %.3f is-clip %.3f "
@@ -303,6 +318,14 @@ class TrainerProcess:
 
     def _shutdown(self, reason: str) -> str:
         log.info("shutting down at version %d: %s", self.trainer.version, reason)
+        trainer = self.trainer
+        if (
+            self.config.async_.weight_sync == "collective"
+            and trainer.version > 0
+            and not self.run_dir.weights_file(trainer.version).exists()
+        ):
+            # Steps published no files; the run's final export (and asp-tui export) reads one.
+            trainer.write_weights_file()
         if self.trainer.version > self.checkpointed_version:
             self._checkpoint()
         return reason
@@ -312,6 +335,25 @@ class TrainerProcess:
             self.link.close()
         if self.checksums is not None:
             self.checksums.close()
+
+
+def start_weight_server(
+    config: Config, endpoints: Endpoints, device: torch.device
+) -> WeightServer | None:
+    """Rank 0's weight server for ``async.weight_sync: collective``, on this host's address
+    towards the controller (loopback for a one-host run) and ``controller.port_base + 4`` when
+    ports are fixed. None, with a warning, when it cannot start: the run then publishes files.
+    """
+    controller_host = urlsplit(endpoints.trainer).hostname or "127.0.0.1"
+    port = config.controller.port_base + WEIGHT_PORT_OFFSET if config.controller.port_base else 0
+    try:
+        host = local_address_towards(controller_host)
+        server = WeightServer(host, port, device=device)
+    except OSError as exc:
+        log.warning("weight server could not start (%s); publishing weight files instead", exc)
+        return None
+    log.info("weight server on %s (%s)", server.address, server.backend)
+    return server
 
 
 def run(run_dir: str | Path) -> int:
@@ -343,11 +385,19 @@ def run(run_dir: str | Path) -> int:
         removed = weights_mod.remove_stale_temp_files(rd)
         if removed:
             log.info("removed %d temp weight files of a crashed writer", removed)
+    if trainer.is_main and config.async_.weight_sync == "collective":
+        trainer.weight_server = start_weight_server(
+            config, context.endpoints, trainer.accelerator.device
+        )
     resumed = trainer.load_latest_checkpoint()
     if resumed is not None:
         log.info("resumed from %s at version %d", resumed, trainer.version)
+        if config.async_.weight_sync == "collective":
+            trainer.publish()
+            if trainer.weight_server is not None:
+                trainer.weight_server.promote(trainer.version)
         # The workers may need this version's file even if it was pruned or never written.
-        if not rd.weights_file(trainer.version).exists():
+        elif not rd.weights_file(trainer.version).exists():
             trainer.publish()
         elif trainer.is_main:
             weights_mod.prune_weights(rd, trainer.version, config.trainer.keep_weight_versions)
@@ -356,6 +406,8 @@ def run(run_dir: str | Path) -> int:
         reason = process.run()
     finally:
         process.close()
+        if trainer.weight_server is not None:
+            trainer.weight_server.close()
     log.info("trainer exits at version %d (%s)", trainer.version, reason)
     # Every rank leaves together: a rank that tears gloo down while another still uses it can
     # make that one abort at exit.

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from accelerate import Accelerator
 
+from runtime.collective import WeightServer
 from runtime.config import Config
 from runtime.protocol import Batch, StepMetrics
 from runtime.rundir import RunDir
@@ -89,6 +90,8 @@ class Trainer:
         temperature = config.rollout.sampling.temperature
         self.temperature = temperature if temperature > 0 else 1.0
         self.version = 0
+        self.weight_server: WeightServer | None = None
+        """Rank 0 under ``async.weight_sync: collective`` (see ``runtime.trainer.loop``)."""
 
     # --- properties ---------------------------------------------------------------------------
 
@@ -248,8 +251,30 @@ class Trainer:
             weights_mod.full_state_dict(self.accelerator.unwrap_model(self.model))
         )
 
-    def publish(self) -> Path:
-        """Write ``version``'s weights (rank 0 writes; every rank must call this)."""
+    def publish(self) -> Path | None:
+        """Make ``version``'s weights available to the workers; every rank must call this.
+
+        With a ``weight_server`` (rank 0, ``async.weight_sync: collective``) they are packed
+        into it, to be served once ``promote``d; otherwise rank 0 writes the safetensors file
+        and returns its path. None: no file was written.
+        """
+        model = self.accelerator.unwrap_model(self.model)
+        if self.weight_server is not None:
+            self.weight_server.stage(
+                self.version,
+                weights_mod.state_items(model),
+                self.config.async_.weight_bucket_mb << 20,
+                dtype=self.publish_dtype,
+            )
+            return None
+        if self.config.async_.weight_sync == "collective" and not self.is_main:
+            for _ in weights_mod.state_items(model):  # rank 0's gathers, in step (FSDP)
+                pass
+            return None
+        return self.write_weights_file()
+
+    def write_weights_file(self) -> Path:
+        """Write ``version``'s safetensors file (rank 0 writes; every rank must call this)."""
         tensors = self.export_weights()
         # Absolute, so a worker started from another directory can open it.
         path = self.run_dir.weights_file(self.version).resolve()

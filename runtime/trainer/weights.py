@@ -12,6 +12,7 @@ import hashlib
 import os
 import re
 import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -34,17 +35,15 @@ def hf_name(name: str) -> str:
     return name
 
 
-def full_state_dict(
-    model: torch.nn.Module, dtype: torch.dtype | None = None
-) -> dict[str, torch.Tensor]:
-    """Full, CPU, contiguous tensors under HF names, tied duplicates removed.
+def state_items(model: torch.nn.Module) -> Iterator[tuple[str, torch.Tensor]]:
+    """``(HF name, full tensor)`` of every entry of the state dict, tied duplicates removed, on
+    the tensor's own device and in its own dtype (no copy on DDP or a single process).
 
-    Call it on every rank: under FSDP2 the parameters are DTensors and ``full_tensor()`` is a
-    collective (all ranks gather, every rank gets the full tensor). On DDP or a single process the
-    parameters are already full. Tied weights (``lm_head.weight`` sharing ``embed_tokens``) keep
-    only the first name, as ``save_pretrained`` does; vLLM's Llama skips ``lm_head`` when tied.
+    Iterate it on every rank, in step: under FSDP2 the parameters are DTensors and
+    ``full_tensor()`` is a collective (all ranks gather, every rank gets the full tensor). Tied
+    weights (``lm_head.weight`` sharing ``embed_tokens``) keep only the first name, as
+    ``save_pretrained`` does; vLLM's Llama skips ``lm_head`` when tied.
     """
-    tensors: dict[str, torch.Tensor] = {}
     seen: set[tuple[int, int, tuple[int, ...]]] = set()
     for name, value in model.state_dict().items():
         if hasattr(value, "full_tensor"):
@@ -54,10 +53,20 @@ def full_state_dict(
             if key in seen:
                 continue
             seen.add(key)
-        tensor = value.detach().to("cpu")
+        yield hf_name(name), value.detach()
+
+
+def full_state_dict(
+    model: torch.nn.Module, dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    """``state_items`` as full, CPU, contiguous tensors (floating ones in ``dtype``); call it
+    on every rank."""
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in state_items(model):
+        tensor = value.to("cpu")
         if dtype is not None and tensor.is_floating_point():
             tensor = tensor.to(dtype)
-        tensors[hf_name(name)] = tensor.contiguous()
+        tensors[name] = tensor.contiguous()
     return tensors
 
 
