@@ -136,7 +136,7 @@ class TensorSlot:
 
 
 @dataclass(slots=True)
-class Snapshot:
+class PackedWeights:
     """One weight version, packed into byte buckets for broadcasting."""
 
     version: int
@@ -172,7 +172,7 @@ def pack(
     dtype: torch.dtype | None = None,
     pin_memory: bool = False,
     reuse: list[torch.Tensor] | None = None,
-) -> Snapshot:
+) -> PackedWeights:
     """Copy ``tensors`` (any device) into CPU byte buckets, floating ones cast to ``dtype``.
 
     One copy per tensor, straight from the parameter into its bucket. ``reuse``: the buckets of
@@ -200,7 +200,7 @@ def pack(
     with torch.no_grad():
         for slot, (_, value) in zip(slots, items, strict=True):
             slot.view(buckets[slot.bucket]).copy_(value.detach())
-    return Snapshot(version, slots, buckets)
+    return PackedWeights(version, slots, buckets)
 
 
 # --- trainer side ----------------------------------------------------------------------------
@@ -219,15 +219,15 @@ class RoundRecord:
 
 @dataclass
 class _State:
-    staged: Snapshot | None = None
-    served: Snapshot | None = None
-    sending: Snapshot | None = None
+    staged: PackedWeights | None = None
+    served: PackedWeights | None = None
+    sending: PackedWeights | None = None
     """The snapshot of the round in progress."""
     spare: list[torch.Tensor] | None = None
     """Buckets of a snapshot that is neither staged, served nor being sent."""
     rounds: list[RoundRecord] = field(default_factory=list)
 
-    def retire(self, snapshot: Snapshot | None) -> None:
+    def retire(self, snapshot: PackedWeights | None) -> None:
         """Keep ``snapshot``'s buckets for the next ``pack`` once nothing refers to it."""
         if snapshot is not None and all(
             snapshot is not held for held in (self.staged, self.served, self.sending)
@@ -291,7 +291,7 @@ class WeightServer:
         tensors: Iterable[tuple[str, torch.Tensor]],
         bucket_bytes: int,
         dtype: torch.dtype | None = None,
-    ) -> Snapshot:
+    ) -> PackedWeights:
         """Pack ``version``; it is served once ``promote(version)`` says the controller knows it."""
         with self._changed:
             dropped, self._state.staged = self._state.staged, None
@@ -355,7 +355,7 @@ class WeightServer:
             self._store.delete_key(self._key("r", round_no, "layout"))
             served_tickets, round_no = tickets.stop, round_no + 1
 
-    def _await_version(self, version: int) -> Snapshot | None:
+    def _await_version(self, version: int) -> PackedWeights | None:
         with self._changed:
             while not self._stop.is_set():
                 served = self._state.served
@@ -365,7 +365,7 @@ class WeightServer:
                 self._changed.wait(_POLL_S)
         return None
 
-    def _round(self, round_no: int, tickets: range, snapshot: Snapshot) -> None:
+    def _round(self, round_no: int, tickets: range, snapshot: PackedWeights) -> None:
         started = time.perf_counter()
         size = len(tickets) + 1
         self._store.set(self._key("r", round_no, "layout"), json.dumps(snapshot.layout()))
@@ -485,8 +485,8 @@ class Fetch:
 __all__ = [
     "BACKENDS",
     "Fetch",
+    "PackedWeights",
     "RoundRecord",
-    "Snapshot",
     "TensorSlot",
     "WeightServer",
     "backend_for",

@@ -130,6 +130,4 @@ def test_no_top_level_name_is_defined_twice_for_different_things():
 ALLOWED_TWICE = {
     "main",  # every ``python -m`` entry point
     "serve",  # the process body of the rollout worker and of the sim backend
-    # The sim trainer's copy of the GRPO advantages; issue 10 leaves one advantage function.
-    "group_advantages",
 }

@@ -7,7 +7,8 @@ import math
 import pytest
 import torch
 
-from runtime.trainer.grpo import LossStats, group_advantages, grpo_loss, token_logprobs
+from runtime.trainer.grpo import LossStats, grpo_loss, token_logprobs
+from runtime.trainer.grpo import tensor_group_advantages as group_advantages
 
 
 def _metrics(stats: LossStats) -> dict[str, float]:

@@ -11,7 +11,7 @@ this file. Two engines implement it, chosen by ``EngineSpec.engine``:
 - ``AsyncEngine`` runs ``AsyncLLM``, whose engine core is its own process: on GPUs the scheduling
   overlaps the forward pass, and tensor parallelism needs it.
 
-Weights arrive through ``worker_extension_cls`` (``weight_extension.py``), see ``load_weights``:
+Weights arrive through ``worker_extension_cls`` (``weight_extension.py``), see ``apply_weights``:
 a safetensors file reloaded in place (``async.weight_sync: file``), or a broadcast from trainer
 rank 0 over a torch.distributed group, gloo on CPUs and NCCL on GPUs (``collective``, see
 ``runtime/collective.py``).
@@ -122,7 +122,7 @@ async def _load_file(call_workers: WorkerCall, path: str) -> None:
         raise RuntimeError(f"weights file {path} held no tensors (per worker: {counts})")
 
 
-async def load_weights(call_workers: WorkerCall, source: WeightSource) -> int:
+async def apply_weights(call_workers: WorkerCall, source: WeightSource) -> int:
     """Load ``source`` on every vLLM worker of an engine (paused); returns the version loaded.
 
     A collective load that fails (trainer unreachable, a round broken by a dying peer) falls
@@ -345,7 +345,7 @@ class RolloutEngine(ABC):
         was_paused = self._paused
         if not was_paused:
             await self._pause("wait" if mode == "boundary" else "keep", clear_cache=False)
-        version = await load_weights(self.call_workers, source)
+        version = await apply_weights(self.call_workers, source)
         # Preempts any frozen request (recomputed on resume), so the reset cannot be refused.
         if self.spec.prefix_caching and not await self._reset_prefix_cache():
             raise RuntimeError("vLLM refused to reset its prefix cache after a weight update")

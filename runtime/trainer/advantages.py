@@ -2,7 +2,7 @@
 
 The real trainer (:mod:`runtime.trainer.batching`) and the sim trainer
 (:mod:`runtime.sim.trainer`, which must not need torch) call :func:`group_advantages`;
-:func:`runtime.trainer.grpo.group_advantages` is the same function for tensors.
+:func:`runtime.trainer.grpo.tensor_group_advantages` wraps it for tensors.
 """
 
 from __future__ import annotations

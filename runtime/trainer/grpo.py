@@ -34,7 +34,7 @@ Aggregation = Literal["token", "sequence"]
 _MAX_LOG_RATIO = 20.0
 
 
-def group_advantages(
+def tensor_group_advantages(
     rewards: Tensor, group_ids: Tensor, scale_rewards: bool = True, eps: float = 1e-6
 ) -> Tensor:
     """:func:`runtime.trainer.advantages.group_advantages` (the one definition) for tensors:
