@@ -73,16 +73,19 @@ class Dispatcher:
         # work the scheduler re-queued onto any of them is not starved.
         n = max(1, len(self.instances))
         ready.sort(key=lambda x: (len(x.in_flight), (x.instance_id - self._rr) % n))
-        # One refusal text per weight version and pass: formatting one for each of hundreds of
-        # blocked instances after every message cost more than the dispatch itself.
+        # Admission and its refusal text depend only on the weight version: asked once per
+        # version until a dispatch changes the count (hundreds of instances wait on it).
+        allowed_at: dict[int, int] = {}
         refusals: dict[int, str] = {}
         while ready:
             still = []
             for inst in ready:
                 free = inst.concurrency - len(inst.in_flight)
-                allowed = self.governor.admissible(inst.weight_version)
+                v = inst.weight_version
+                allowed = allowed_at.get(v)
+                if allowed is None:
+                    allowed = allowed_at[v] = self.governor.admissible(v)
                 if allowed <= 0:
-                    v = inst.weight_version
                     if v not in refusals:
                         refusals[v] = self.governor.refusal(v) or "admission"
                     inst.blocked = refusals[v]
@@ -96,6 +99,7 @@ class Dispatcher:
                     continue
                 for prompt_id, epoch in picks:
                     self._dispatch_group(inst, prompt_id, epoch)
+                allowed_at.clear()
                 if self.continuous and free > 1:
                     still.append(inst)
             ready = still

@@ -349,7 +349,8 @@ class SimRun:
                 model = self.models[i]
                 events += [A.InstanceMessage(i, m) for m in model.take_output()]
                 events.append(A.InstanceMessage(i, model.heartbeat(now)))
-            touched = self._route(self.core.handle_all(events))
+            actions = self.core.handle_all(events)
+            touched = self._route(actions) if actions else []
             queued = self.core.governor.queued
             if queued != self.queue_timeline[-1][1]:
                 self.queue_timeline.append((now, queued))
