@@ -131,3 +131,14 @@ ALLOWED_TWICE = {
     "main",  # every ``python -m`` entry point
     "serve",  # the process body of the rollout worker and of the sim backend
 }
+
+
+def test_no_class_in_runtime_is_longer_than_500_lines():
+    """One concern per class: the controller was one class of 1,460 lines (issue 10)."""
+    long = [
+        f"{path.relative_to(ROOT)}:{node.name} ({node.end_lineno - node.lineno + 1} lines)"
+        for path in SOURCES
+        for node in ast.walk(ast.parse(path.read_text()))
+        if isinstance(node, ast.ClassDef) and node.end_lineno - node.lineno + 1 > 500
+    ]
+    assert long == []
