@@ -7,13 +7,15 @@ that checks them are in ``runtime/auth.py``.
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 from typing import TypeVar
 
 import zmq
 
 from runtime.auth import PLANE_ROLES, KeyPair, Role, RunKeys, client_key
-from runtime.rundir import Endpoints
+from runtime.rundir import Endpoints, RunDir
 
 PLANE_KINDS = {
     "rollout": zmq.DEALER,
@@ -87,3 +89,26 @@ def standin_server(sock: zmq.Socket, keys_dir: Path) -> dict[str, str]:
     server = RunKeys(keys_dir).ensure().server()
     curve_server(sock, server, domain=None)
     return {"server_public_key": server.public_text, "keys_dir": str(keys_dir)}
+
+
+def bind_standin(
+    sock: zmq.Socket, run_dir: RunDir, run_name: str, controller_pid: int | None = None
+) -> str:
+    """A test or bench stand-in of the controller in one ROUTER: ``standin_server``, bound to a
+    free loopback port that serves every plane, written to the run's ``endpoints.json``.
+    Returns the address."""
+    keys = standin_server(sock, run_dir.keys)
+    address = f"tcp://127.0.0.1:{sock.bind_to_random_port('tcp://127.0.0.1')}"
+    run_dir.write_endpoints(
+        Endpoints(
+            rollout=address,
+            trainer=address,
+            telemetry=address,
+            control=address,
+            controller_pid=controller_pid or os.getpid(),
+            run_name=run_name,
+            started_at=time.time(),
+            **keys,
+        )
+    )
+    return address

@@ -15,7 +15,6 @@ from __future__ import annotations
 import csv
 import json
 import math
-import os
 import signal
 import subprocess
 import sys
@@ -56,13 +55,13 @@ from runtime.protocol import (
     WorkerAck,
     WorkerHello,
 )
-from runtime.rundir import Endpoints, RunDir
+from runtime.rundir import RunDir
 from runtime.scheduler.cost_model import CostModel
 from runtime.sim.backend import SimInstance, SimSettings
 from runtime.sim.trainer import marker_path, write_marker
 from runtime.tasks import build_task
 from runtime.tasks.sim_task import SimTask
-from runtime.transport import standin_server
+from runtime.transport import bind_standin
 
 REPO = Path(__file__).resolve().parents[1]
 SAMPLE = REPO / "runtime" / "tasks" / "data" / "castillo_sample.csv"
@@ -302,21 +301,7 @@ class FakeController:
         self.context = zmq.Context()
         self.router = self.context.socket(zmq.ROUTER)
         self.router.setsockopt(zmq.LINGER, 0)
-        keys = standin_server(self.router, self.run_dir.keys)
-        port = self.router.bind_to_random_port("tcp://127.0.0.1")
-        address = f"tcp://127.0.0.1:{port}"
-        self.run_dir.write_endpoints(
-            Endpoints(
-                rollout=address,
-                trainer=address,
-                telemetry="tcp://127.0.0.1:9",
-                control="tcp://127.0.0.1:9",
-                controller_pid=controller_pid or os.getpid(),
-                run_name="simtest",
-                started_at=time.time(),
-                **keys,
-            )
-        )
+        bind_standin(self.router, self.run_dir, "simtest", controller_pid)
         self.encoder = Encoder()
         self.guard = FrameGuard("test-router")
         self.proc: subprocess.Popen[bytes] | None = None

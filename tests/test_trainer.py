@@ -28,7 +28,7 @@ from runtime.protocol import (
     TrainerHello,
     TrainGroup,
 )
-from runtime.rundir import Endpoints, RunDir, read_jsonl
+from runtime.rundir import RunDir, read_jsonl
 from runtime.tasks.tiny_model import build_tiny_model
 from runtime.trainer import trainer_command
 from runtime.trainer.batching import balance_partitions, samples_from_batch
@@ -36,7 +36,7 @@ from runtime.trainer.loop import CHECKSUM_ENV
 from runtime.trainer.synthetic import random_batch
 from runtime.trainer.train import Trainer, checkpoint_dirs
 from runtime.trainer.weights import checksum, load_weights
-from runtime.transport import standin_server
+from runtime.transport import bind_standin
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 100  # the tiny model's character vocabulary
@@ -191,20 +191,7 @@ class ControllerStandIn:
         self.context = zmq.Context()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
-        keys = standin_server(self.socket, run_dir.keys)
-        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
-        endpoint = f"tcp://127.0.0.1:{port}"
-        run_dir.write_endpoints(
-            Endpoints(
-                rollout=endpoint,
-                trainer=endpoint,
-                telemetry=endpoint,
-                control=endpoint,
-                controller_pid=os.getpid(),
-                run_name="test",
-                **keys,
-            )
-        )
+        bind_standin(self.socket, run_dir, "test")
         self.encoder = Encoder()
         self.decoder = Decoder()
 

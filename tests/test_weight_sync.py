@@ -41,13 +41,13 @@ from runtime.protocol import (
     WorkerAck,
     WorkerHello,
 )
-from runtime.rundir import Endpoints, RunDir
+from runtime.rundir import RunDir
 from runtime.tasks import build_task, encode_prompt, load_tokenizer
 from runtime.tasks.tiny_model import EOS, build_tiny_model, vocabulary
 from runtime.trainer.loop import CHECKSUM_ENV
 from runtime.trainer.synthetic import random_batch
 from runtime.trainer.weights import checksum
-from runtime.transport import standin_server
+from runtime.transport import bind_standin
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -190,20 +190,7 @@ class StandIn:
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.ROUTER_HANDOVER, 1)  # a restarted worker reuses its identity
         self.socket.setsockopt(zmq.LINGER, 0)
-        keys = standin_server(self.socket, run_dir.keys)
-        port = self.socket.bind_to_random_port("tcp://127.0.0.1")
-        endpoint = f"tcp://127.0.0.1:{port}"
-        run_dir.write_endpoints(
-            Endpoints(
-                rollout=endpoint,
-                trainer=endpoint,
-                telemetry=endpoint,
-                control=endpoint,
-                controller_pid=os.getpid(),
-                run_name="weight-sync-test",
-                **keys,
-            )
-        )
+        bind_standin(self.socket, run_dir, "weight-sync-test")
         self.encoder, self.decoder = Encoder(), Decoder()
         self.inbox: list[tuple[bytes, Any]] = []
 

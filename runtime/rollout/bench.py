@@ -11,7 +11,6 @@ it; ``python -m runtime.rollout.bench --config configs/tiny.yaml`` prints it.
 from __future__ import annotations
 
 import argparse
-import os
 import subprocess
 import sys
 import tempfile
@@ -26,8 +25,8 @@ import zmq
 
 from runtime.config import Config, load_config
 from runtime.protocol import Encoder, FrameGuard, Generate, GroupAborted, GroupDone, WorkerHello
-from runtime.rundir import Endpoints, RunDir
-from runtime.transport import standin_server
+from runtime.rundir import RunDir
+from runtime.transport import bind_standin
 
 if TYPE_CHECKING:  # vLLM is imported only when a bare engine is built
     from runtime.rollout.engine import BareLLM, SamplingSpec
@@ -113,19 +112,7 @@ class WorkerPath:
         self._context = zmq.Context()
         self._router = self._context.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
-        keys = standin_server(self._router, run_dir.keys)
-        port = self._router.bind_to_random_port("tcp://127.0.0.1")
-        run_dir.write_endpoints(
-            Endpoints(
-                rollout=f"tcp://127.0.0.1:{port}",
-                trainer="tcp://127.0.0.1:1",
-                telemetry="tcp://127.0.0.1:2",
-                control="tcp://127.0.0.1:3",
-                controller_pid=os.getpid(),
-                run_name=config.run.name,
-                **keys,
-            )
-        )
+        bind_standin(self._router, run_dir, config.run.name)
         self._encoder, self._guard = Encoder(), FrameGuard("bench")
         started = time.perf_counter()
         command = [sys.executable, "-m", "runtime.rollout.worker", "--run-dir", self._tmp.name]
