@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 
 import msgspec
 
+from runtime.controller.governor import admission_limit
 from runtime.protocol import Event, Snapshot
 
 SPARK_POINTS = 120
@@ -200,7 +201,7 @@ class DashboardModel:
     def lag_bound_effect(self, new_bound: int) -> tuple[int, str]:
         """How many queued or in-flight groups a new bound affects, and how, in words.
 
-        Admission allows ``(v + η + 1)·B`` groups started by version v (DESIGN.md §4). Lowering
+        Admission allows ``(v + η + 1)·B`` groups (the governor's ``admission_limit``). Lowering
         η to η' leaves the groups admitted beyond ``(v + η' + 1)·B`` over the new bound: they
         are waited for or aborted and re-queued (``async.on_lag_decrease``). Raising it admits
         ``(η' − η)·B`` more groups.
@@ -211,7 +212,7 @@ class DashboardModel:
         old = snapshot.lag_bound
         batch = max(snapshot.batch_groups, 1)
         if new_bound < old:
-            allowed = (snapshot.weight_version + new_bound + 1) * batch
+            allowed = admission_limit(snapshot.weight_version, new_bound, batch)
             outstanding = snapshot.queue_depth + snapshot.in_flight_groups
             over = max(0, min(outstanding, snapshot.admitted_groups - allowed))
             verb = (

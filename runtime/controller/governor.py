@@ -293,7 +293,7 @@ class LagGovernor:
         return None
 
     def _admission_limit(self) -> int:
-        return (self.version + self.admission_bound + 1) * self.batch_groups
+        return admission_limit(self.version, self.admission_bound, self.batch_groups)
 
     def _refused(self, instance_version: int) -> str | None:
         # The dispatcher asks this for every instance after every message: no string building.
@@ -555,6 +555,12 @@ class LagRecorder:
             "span_max": int(max(self.spans)),
             "histogram": hist,
         }
+
+
+def admission_limit(version: int, lag_bound: int, batch_groups: int) -> int:
+    """Rule 1: the most groups admitted (and not discarded, aborted or requeued) at trainer
+    version ``version`` under ``lag_bound``: ``(v + η + 1)·B``."""
+    return (version + lag_bound + 1) * batch_groups
 
 
 def _bump(counter: Counter[int], key: int, sign: int) -> None:
