@@ -537,13 +537,19 @@ def test_lengths_file_ids_match_the_datasets_own_ids(data: Path, tmp_path: Path)
 def test_lengths_file_with_unknown_ids_is_a_clear_error(data: Path, tmp_path: Path, capsys):
     reward = write_module(tmp_path, "trl_rewards", TRL_REWARDS)
     lengths = tmp_path / "lengths.csv"
-    lengths.write_text("prompt_id,output_tokens\na,10\nh7-0,30\nh7-1,5\n")
+    from runtime.tasks import length_prior
+
     cfg = dataset_config(data, f"{reward}:reward_len", id_field="id")
     cfg.scheduler.lengths = str(lengths)
+    # A profile of more prompts than the run has: the known ids are used, the rest logged.
+    lengths.write_text("prompt_id,output_tokens\na,10\nh7-0,30\nh7-1,5\n")
+    assert length_prior(cfg, build_task(cfg)) == {0: (10,)}
+    # No id names a prompt (ids from another column, or another dataset's file): an error.
+    lengths.write_text("prompt_id,output_tokens\nh7-0,30\nh7-0,31\nh7-1,5\n")
     expected = (
-        rf"scheduler.lengths: {lengths}:3: column 'prompt_id': 'h7-0' is not a prompt id of "
-        r"task 'dataset' \(2 of the file's 3 ids are not\); the task's ids look like 'a', 'b' "
-        r"\(task.id_field"
+        rf"scheduler.lengths: {lengths}:2: column 'prompt_id': 'h7-0' is not a prompt id of "
+        r"task 'dataset', and neither is any other of the file's 2 ids; the task's ids look "
+        r"like 'a', 'b' \(task.id_field"
     )
     with pytest.raises(ConfigError, match=expected):
         preflight(cfg)

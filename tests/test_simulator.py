@@ -145,7 +145,8 @@ def test_simulate_rejects_missing_actual_lengths():
         simulate(s, groups, {0: (5,)}, inst, batch_groups=1, lag_bound=0)
 
 
-def test_castillo_sample_runs_and_is_deterministic():
+def castillo_sample(policies, batch_groups, lag_bound):
+    """``compare`` on tests/data/castillo_sample.csv: sample 1 predicts the other nine."""
     from pathlib import Path
 
     from runtime.scheduler.lengths import read_lengths
@@ -153,25 +154,20 @@ def test_castillo_sample_runs_and_is_deterministic():
     t = read_lengths(Path(__file__).parent / "data" / "castillo_sample.csv")
     pred, act = t.split(1)
     groups = [GroupSpec(p, 9, ls) for p, ls in zip(pred.prompt_ids, pred.lengths, strict=True)]
-    inst = [InstanceSpec(i, 18) for i in range(3)]
-    a = compare(
-        ["fifo", "sorted", "asp"],
+    return compare(
+        policies,
         groups,
         act.as_map(),
-        inst,
-        batch_groups=6,
-        lag_bound=1,
+        [InstanceSpec(i, 18) for i in range(3)],
+        batch_groups=batch_groups,
+        lag_bound=lag_bound,
         prompt_tokens=dict(zip(t.prompt_ids, t.prompt_tokens, strict=True)),
     )
-    b = compare(
-        ["asp"],
-        groups,
-        act.as_map(),
-        inst,
-        batch_groups=6,
-        lag_bound=1,
-        prompt_tokens=dict(zip(t.prompt_ids, t.prompt_tokens, strict=True)),
-    )
+
+
+def test_castillo_sample_runs_and_is_deterministic():
+    a = castillo_sample(["fifo", "sorted", "asp"], 6, 1)
+    b = castillo_sample(["asp"], 6, 1)
     assert a["asp"].iteration_s == b["asp"].iteration_s
     assert all(r.groups == 60 for r in a.values())
 
@@ -273,23 +269,7 @@ def test_rare_long_groups_are_counted_once_per_chain():
 
 @pytest.mark.parametrize("eta", [0, 1, 2])
 def test_latency_bound_holds_on_the_castillo_sample(eta):
-    from pathlib import Path
-
-    from runtime.scheduler.lengths import read_lengths
-
-    t = read_lengths(Path(__file__).parent / "data" / "castillo_sample.csv")
-    pred, act = t.split(1)
-    groups = [GroupSpec(p, 9, ls) for p, ls in zip(pred.prompt_ids, pred.lengths, strict=True)]
-    inst = [InstanceSpec(i, 18) for i in range(3)]
-    res = compare(
-        ["fifo", "sorted", "asp"],
-        groups,
-        act.as_map(),
-        inst,
-        batch_groups=4,
-        lag_bound=eta,
-        prompt_tokens=dict(zip(t.prompt_ids, t.prompt_tokens, strict=True)),
-    )
+    res = castillo_sample(["fifo", "sorted", "asp"], 4, eta)
     for r in res.values():
         assert 0 < r.latency_lower_bound_s <= r.iteration_s
         assert r.ratio_to_latency_bound >= 1.0

@@ -210,24 +210,27 @@ def write_lengths(path: str | Path, table: Mapping[str | int, Sequence[int]]) ->
                 w.writerow([pid, int(x)])
 
 
-def match_task_ids(table: LengthTable, task_ids: Mapping[int, str | int], task: str) -> dict:
+def match_task_ids(
+    table: LengthTable, task_ids: Mapping[int, str | int], task: str
+) -> tuple[dict[int, tuple[int, ...]], list[str]]:
     """A lengths file's groups keyed by the task's prompt ids (``task_ids``: prompt id -> the
-    task's own id for it, matched as text). Prompts the file lacks have no prior; an id in the
-    file that names no prompt of the task is an error (the wrong file, or ids from another
-    column), reported with its line when the file is long and its row when it is wide."""
+    task's own id for it, matched as text), and the file ids that name no prompt. Prompts the
+    file lacks have no prior, and a file may profile more prompts than a run uses; a file none
+    of whose ids name a prompt is an error (the wrong file, or ids from another column), which
+    names the file's first line."""
     by_text = {str(ext): pid for pid, ext in task_ids.items()}
-    unknown = [k for k, x in enumerate(table.ids) if x not in by_text]
-    if unknown:
-        k = unknown[0]
-        where = f"{table.source}:{table.lines[k]}" if table.lines else table.source
+    unknown = [x for x in table.ids if x not in by_text]
+    if len(unknown) == len(table):
+        where = f"{table.source}:{table.lines[0]}" if table.lines else table.source
         some = ", ".join(repr(str(x)) for x in list(task_ids.values())[:5])
         hint = " (task.id_field names the dataset column they come from)" * (task == "dataset")
         raise LengthsFileError(
-            f"scheduler.lengths: {where}: column 'prompt_id': {table.ids[k]!r} is not a prompt "
-            f"id of task {task!r} ({len(unknown)} of the file's {len(table)} ids are not); the "
+            f"scheduler.lengths: {where}: column 'prompt_id': {table.ids[0]!r} is not a prompt "
+            f"id of task {task!r}, and neither is any other of the file's {len(table)} ids; the "
             f"task's ids look like {some}{hint}"
         )
-    return {by_text[x]: ls for x, ls in zip(table.ids, table.lengths, strict=True)}
+    prior = {by_text[x]: ls for x, ls in zip(table.ids, table.lengths, strict=True) if x in by_text}
+    return prior, unknown
 
 
 class LengthHistory:

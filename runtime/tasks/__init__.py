@@ -189,7 +189,8 @@ def task_ids(task: Any) -> dict[int, str | int]:
 
 def length_prior(config: Config, task: Any) -> dict[int, tuple[int, ...]] | None:
     """``scheduler.lengths`` by prompt id, its ids matched as text against the task's own
-    (:func:`task_ids`); None when unset. A file id that names no prompt is a ConfigError."""
+    (:func:`task_ids`); None when unset. A file none of whose ids names a prompt is a
+    ConfigError; ids that name none while others do are logged and left out."""
     if not config.scheduler.lengths:
         return None
     from runtime.config import ConfigError
@@ -197,12 +198,23 @@ def length_prior(config: Config, task: Any) -> dict[int, tuple[int, ...]] | None
 
     try:
         table = read_lengths(config.scheduler.lengths)
-        return match_task_ids(table, task_ids(task), config.task.name)
+        prior, unknown = match_task_ids(table, task_ids(task), config.task.name)
     except LengthsFileError as exc:
         msg = str(exc)
         raise ConfigError(
             msg if msg.startswith("scheduler.") else f"scheduler.lengths: {msg}"
         ) from None
+    if unknown:
+        log.warning(
+            "scheduler.lengths: %d of the %d ids in %s name no prompt of task %r and are left "
+            "out (first: %r)",
+            len(unknown),
+            len(table),
+            table.source,
+            config.task.name,
+            unknown[0],
+        )
+    return prior
 
 
 def preflight(config: Config) -> Config:
