@@ -214,8 +214,10 @@ Action = (
 class Outbox:
     """Where the core's parts put their actions, stamped by the core's clock."""
 
-    def __init__(self, clock: Callable[[], float]) -> None:
+    def __init__(self, clock: Callable[[], float], *, quiet: bool = False) -> None:
         self.clock = clock
+        self.quiet = quiet
+        """Events are not logged (a simulated run's are not the live run's)."""
         self.actions: list[Action] = []
 
     def add(self, action: Action) -> None:
@@ -232,7 +234,8 @@ class Outbox:
         self.actions.append(SendToTrainer(message))
 
     def publish(self, kind: P.EventKind, message: str, **data: Any) -> None:
-        log.info("[%s] %s", kind, message)
+        if not self.quiet:
+            log.info("[%s] %s", kind, message)
         event = P.Event(time=self.clock(), kind=kind, message=message, data=jsonable(data))
         self.actions.append(Publish(event))
 

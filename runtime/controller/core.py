@@ -46,7 +46,8 @@ class ControllerCore:
 
     ``make_scheduler`` plans each epoch (``runtime.scheduler.make_scheduler``; None: the core
     is given its one plan, as the simulator does); ``plan_inline`` plans the next epoch at once
-    instead of asking the shell to plan it off the loop (:class:`~actions.PlanEpoch`).
+    instead of asking the shell to plan it off the loop (:class:`~actions.PlanEpoch`);
+    ``quiet`` logs nothing (the simulator's cores run beside the live one's log).
     """
 
     def __init__(
@@ -63,6 +64,7 @@ class ControllerCore:
         plan_inline: bool = False,
         single_epoch: bool = False,
         locate_weights: Callable[[int], str] | None = None,
+        quiet: bool = False,
     ) -> None:
         self.config = config
         self.clock = clock
@@ -75,7 +77,7 @@ class ControllerCore:
         self.stop_reason = ""
         self.telemetry: Any = None
         """What ``status``/``history`` read (the shell's telemetry ring; None: none)."""
-        self.outbox = A.Outbox(clock)
+        self.outbox = A.Outbox(clock, quiet=quiet)
         self._locate_weights = locate_weights or (lambda v: task.model_path if v == 0 else "")
 
         # Any saved progress is resumed (trainer.steps may have been raised since).
@@ -99,6 +101,7 @@ class ControllerCore:
             request_plan=None if plan_inline else self._request_plan,
             make_scheduler=make_scheduler,
             single_epoch=single_epoch,
+            quiet=quiet,
         )
         self.dispatcher = Dispatcher(
             config,

@@ -146,6 +146,7 @@ class WorkQueue:
         request_plan: Callable[[EpochPlan], None] | None,
         make_scheduler: Callable[..., Any] | None,
         single_epoch: bool = False,
+        quiet: bool = False,
     ) -> None:
         self.config = config
         self.n = config.rollout.sampling.n
@@ -160,6 +161,7 @@ class WorkQueue:
         # ``request_plan`` builds the next epoch off the loop (None: plan inline, blocking).
         self._request_plan = request_plan
         self.single_epoch = single_epoch
+        self.quiet = quiet
         self._make_scheduler = make_scheduler
         """``runtime.scheduler.make_scheduler`` (injected: ASP plans with the simulator, which
         runs this core, so the core does not import the policies)."""
@@ -206,7 +208,7 @@ class WorkQueue:
         if plan.epoch != self.epoch:
             self.consumed_prompts.clear()
         self.epoch = plan.epoch
-        log.info(
+        (log.debug if self.quiet else log.info)(
             "epoch %d: %d groups scheduled (%s)",
             plan.epoch,
             len(plan.groups),

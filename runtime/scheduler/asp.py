@@ -43,6 +43,8 @@ from runtime.scheduler.partition import lpt, snake
 VARIANTS = ("homogeneous", "ascending", "longest_first", "head_mix", "mix")
 SCORE_MAX_GROUPS = 3000
 """Candidate plans are scored on at most this many groups (a stratified subsample)."""
+SCORE_MAX_INSTANCES = 16
+"""... on a cluster of at most this many instances (the rest scaled down with it)."""
 
 
 @dataclass
@@ -273,16 +275,17 @@ def plan_asp(
 def _subsample(
     groups: Sequence[GroupSpec], instances: Sequence[InstanceSpec], b: int, rng: np.random.Generator
 ) -> tuple[list[GroupSpec], list[InstanceSpec], int]:
-    """A random subsample of at most ``SCORE_MAX_GROUPS`` groups on a cluster scaled down in
-    proportion (at least 4 instances), with B scaled by the same factor, so per-instance load,
-    batch size relative to capacity and the lag window stay as they are."""
-    g = len(groups)
-    if g <= SCORE_MAX_GROUPS:
+    """A random subsample of at most ``SCORE_MAX_GROUPS`` groups on a cluster of at most
+    ``SCORE_MAX_INSTANCES`` (at least 4) scaled down in proportion, with B scaled by the same
+    factor, so per-instance load, batch size relative to capacity and the lag window stay as
+    they are. The scorer runs the controller core, whose every decision looks at every instance:
+    the cluster's size, not only the groups', sets the cost of a score."""
+    g, k = len(groups), len(instances)
+    if g <= SCORE_MAX_GROUPS and k <= SCORE_MAX_INSTANCES:
         return list(groups), list(instances), b
-    k = len(instances)
-    keep_k = min(k, max(4, round(k * SCORE_MAX_GROUPS / g)))
+    keep_k = min(k, SCORE_MAX_INSTANCES, max(4, round(k * SCORE_MAX_GROUPS / g)))
     frac = keep_k / k
     sub_b = max(1, round(b * frac))
-    size = min(SCORE_MAX_GROUPS, max(sub_b, round(g * frac)))
+    size = min(SCORE_MAX_GROUPS, g, max(sub_b, round(g * frac)))
     keep = np.sort(rng.choice(g, size=size, replace=False))
     return [groups[i] for i in keep], list(instances[:keep_k]), sub_b

@@ -346,6 +346,7 @@ class SimRun:
             supervises=False,
             plan_inline=True,
             single_epoch=True,
+            quiet=True,
         )
         outputs = TableOutputs(actual, prompt_tokens, payload="light", reward=None)
         ids = [spec.instance_id for spec in instances]
