@@ -38,8 +38,9 @@ How it simulates vLLM (no model runs):
 - **Migration.** ``AbortGroups(partial=True)`` reports each sample's output so far in
   ``GroupAborted.partial``; a ``Generate`` with that as ``prefix`` continues each unfinished
   sample for the length it has left (its content the same as had it never stopped, given the
-  same group id, seed and max_tokens), returns finished ones as they are, and stalls for the prefill of
-  prompt plus prefixes (an approximation: vLLM shares the prompt's KV, not the prefixes').
+  same group id, seed and max_tokens), returns finished ones as they are, and stalls for the
+  prefill of prompt plus prefixes (an approximation: vLLM shares the prompt's KV, not the
+  prefixes').
 """
 
 from __future__ import annotations
