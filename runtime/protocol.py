@@ -344,6 +344,8 @@ class EventKind(enum.StrEnum):
     INSTANCE = "instance"
     WEIGHTS = "weights"
     DISCARD = "discard"
+    MIGRATE = "migrate"
+    """A group moved to another instance with its partial output."""
     LAG = "lag"
     """A lowered lag bound came into force."""
     COMMAND = "command"

@@ -220,6 +220,9 @@ class _Renumbered(Scheduler):
     def pending(self, instance_id: int) -> int:
         return self.inner.pending(self.ids[instance_id])
 
+    def priority(self, prompt_id: int) -> int:
+        return self.inner.priority(prompt_id)
+
 
 class _Clock:
     """The simulated clock the core reads."""
