@@ -72,7 +72,7 @@ async def _finish_order(engine: InprocEngine) -> list[str]:
         await engine.generate(name, PROMPT, _greedy(max_tokens), priority=priority)
         order.append(name)
 
-    busy = asyncio.create_task(run("busy", 64, 0))
+    busy = asyncio.create_task(run("busy", 256, 0))
     await _until_tokens(engine, 2)
     low = asyncio.create_task(run("low", 8, 5))
     await asyncio.sleep(0.05)  # the low one is queued first, by a clear margin
@@ -120,7 +120,9 @@ async def test_a_continued_group_keeps_finished_samples_and_can_be_cut_again(
     engines: dict[str, InprocEngine],
 ) -> None:
     engine = engines["fcfs"]
-    sampling = SamplingSpec(n=3, max_tokens=24, temperature=1.0, seed=7)
+    # Greedy, so that no sample stops early (the model's <eos> row is zeroed); a continued
+    # group is one request per sample, so n > 1 may be greedy here.
+    sampling = SamplingSpec(n=3, max_tokens=24, temperature=0.0)
     (fresh,) = await engine.generate("fresh", PROMPT, _greedy(24))
     done = GeneratedSample(fresh.token_ids[:5], fresh.logprobs[:5], "stop", 3, 3, finished_at=123.0)
     cut = GeneratedSample(fresh.token_ids[:9], fresh.logprobs[:9], "abort", 2, 3, 0.0)
@@ -144,6 +146,8 @@ async def test_a_continued_group_keeps_finished_samples_and_can_be_cut_again(
     assert final[0].token_ids.tolist() == done.token_ids.tolist()
     assert final[0].finished_at == 123.0
     assert [len(s.token_ids) for s in final[1:]] == [24, 24]
+    # Greedy continuations of a prefix of the greedy output are the greedy output.
+    assert [s.token_ids.tolist() for s in final[1:]] == [fresh.token_ids.tolist()] * 2
     assert final[1].token_ids.tolist()[:9] == cut.token_ids.tolist()
     assert final[1].version_min == 2
     for before, after in zip(again[1:], final[1:], strict=True):
