@@ -510,3 +510,67 @@ async def test_eval_results_show_in_the_dashboards_event_log() -> None:
                 break
             await pilot.pause(0.05)
         assert any("eval" in text and "pass@2 1.000" in text for text in app.event_log.lines)
+
+
+# --- scheduler.lengths: a profile keyed by the dataset's own ids ------------------------------
+
+
+def test_lengths_file_ids_match_the_datasets_own_ids(data: Path, tmp_path: Path) -> None:
+    from runtime.tasks import length_prior
+
+    reward = write_module(tmp_path, "trl_rewards", TRL_REWARDS)
+    lengths = tmp_path / "lengths.csv"
+    lengths.write_text("prompt_id,output_tokens\nb,30\nb,40\na,10\n")
+    cfg = dataset_config(data, f"{reward}:reward_len", id_field="id")
+    cfg.scheduler.lengths = str(lengths)
+    task = build_task(cfg)
+    # String ids 'a', 'b' are rows 0 and 1: the prior is keyed by the wire's prompt ids.
+    assert length_prior(cfg, task) == {1: (30, 40), 0: (10,)}
+    # Integer ids match as text; a file may leave prompts out (they fall back to the proxy).
+    ints = write_jsonl(tmp_path / "ints.jsonl", [{"q": "x", "n": 7}, {"q": "y", "n": 9}])
+    cfg = dataset_config(ints, f"{reward}:reward_len", prompt_field="q", id_field="n")
+    lengths.write_text("prompt_id,o1,o2\n9,5,6\n")
+    cfg.scheduler.lengths = str(lengths)
+    assert length_prior(cfg, build_task(cfg)) == {1: (5, 6)}
+
+
+def test_lengths_file_with_unknown_ids_is_a_clear_error(data: Path, tmp_path: Path, capsys):
+    reward = write_module(tmp_path, "trl_rewards", TRL_REWARDS)
+    lengths = tmp_path / "lengths.csv"
+    from runtime.tasks import length_prior
+
+    cfg = dataset_config(data, f"{reward}:reward_len", id_field="id")
+    cfg.scheduler.lengths = str(lengths)
+    # A profile of more prompts than the run has: the known ids are used, the rest logged.
+    lengths.write_text("prompt_id,output_tokens\na,10\nh7-0,30\nh7-1,5\n")
+    assert length_prior(cfg, build_task(cfg)) == {0: (10,)}
+    # No id names a prompt (ids from another column, or another dataset's file): an error.
+    lengths.write_text("prompt_id,output_tokens\nh7-0,30\nh7-0,31\nh7-1,5\n")
+    expected = (
+        rf"scheduler.lengths: {lengths}:2: column 'prompt_id': 'h7-0' is not a prompt id of "
+        r"task 'dataset', and neither is any other of the file's 2 ids; the task's ids look "
+        r"like 'a', 'b' \(task.id_field"
+    )
+    with pytest.raises(ConfigError, match=expected):
+        preflight(cfg)
+    # From the command line: exit 2 before anything is created or started.
+    from asp_tui.cli import main
+
+    config = tmp_path / "run.yaml"
+    run_dir = tmp_path / "run"
+    config.write_text(
+        json.dumps(
+            {
+                "task": {
+                    "name": "dataset",
+                    "dataset": str(data),
+                    "reward": f"{reward}:reward_len",
+                    "id_field": "id",
+                },
+                "scheduler": {"lengths": str(lengths)},
+            }
+        )
+    )
+    code = main(["run", "--headless", "--config", str(config), "--run-dir", str(run_dir)])
+    assert code == 2 and not run_dir.exists()
+    assert "'h7-0' is not a prompt id of task 'dataset'" in capsys.readouterr().err

@@ -322,15 +322,17 @@ def test_cost_model_steps_and_fit():
 def test_read_wide_and_long_files(tmp_path):
     cas = read_lengths(DATA / "castillo_sample.csv")
     assert cas.form == "wide" and len(cas) == 60 and len(cas.lengths[0]) == 10
-    assert cas.prompt_ids == list(range(60)) or len(set(cas.prompt_ids)) == 60
+    assert cas.prompt_ids == list(range(60)) and cas.ids == [str(k) for k in range(60)]
     assert cas.lengths[0] == (187, 209, 263, 197, 189, 218, 197, 201, 217, 203)
     assert cas.prompt_tokens[0] == 37
     seq = read_lengths(DATA / "seqsched_sample.csv")
-    assert seq.form == "wide" and len(seq.lengths[0]) == 4 and seq.prompt_ids[0] == 5
+    assert seq.form == "wide" and len(seq.lengths[0]) == 4 and seq.ids[0] == "5"
+    assert seq.prompt_ids[:2] == [0, 1] and seq.lines[:2] == [2, 3]
     p = tmp_path / "long.csv"
     write_lengths(p, {3: [10, 20], 9: [5]})
     long = read_lengths(p)
-    assert long.form == "long" and long.as_map() == {3: (10, 20), 9: (5,)}
+    assert long.form == "long" and long.by_id() == {"3": (10, 20), "9": (5,)}
+    assert long.as_map() == {0: (10, 20), 1: (5,)}
     pred, act = cas.split(1)
     assert pred.lengths[0] == (187,) and len(act.lengths[0]) == 9
 
@@ -345,6 +347,8 @@ def test_read_wide_and_long_files(tmp_path):
         ("prompt_id,output_tokens\n1,abc\n", "not an integer"),
         ("prompt_id,output_tokens\n", "no data rows"),
         ("o1,o2\n1,2\n3\n", "fields"),
+        ("prompt_id,output_tokens\n ,2\n", "'prompt_id' is empty"),
+        ("prompt_id,o1,o2\nh7-0,1,2\nh7-1,3,4\nh7-0,5,6\n", r"bad.csv:4: .*'h7-0' repeats line 2"),
     ],
 )
 def test_bad_lengths_files_are_clear_errors(tmp_path, text, match):

@@ -157,3 +157,112 @@ def test_missing_file_and_bad_flags(capsys):
     with pytest.raises(SystemExit) as e:
         cli(["plan", "--lengths", "x.csv", "--instances", "0"])
     assert e.value.code == 2
+
+
+# --- string prompt ids ----------------------------------------------------------------------
+
+
+def _string_id_file(path: Path, groups: int = 40, n: int = 4) -> list[str]:
+    """A long file whose ids are text as real datasets spell them (mixed with number-like ids,
+    which stay text: '007' is not 7)."""
+    ids = [f"h7-{k}" if k % 3 else f"{k:03d}" for k in range(groups)]
+    path.write_text(
+        "prompt_id,output_tokens\n"
+        + "".join(f"{x},{20 + 7 * k + 13 * j}\n" for k, x in enumerate(ids) for j in range(n))
+    )
+    return ids
+
+
+def test_plan_writes_string_ids_back_unchanged(tmp_path, capsys):
+    f, out = tmp_path / "ids.csv", tmp_path / "plan.csv"
+    ids = _string_id_file(f)
+    for policy in ("fifo", "sorted", "asp"):
+        rc = cli(
+            [
+                "plan",
+                "--lengths",
+                str(f),
+                "--instances",
+                "3",
+                "--policy",
+                policy,
+                "--max-num-seqs",
+                "8",
+                "--out",
+                str(out),
+                "--json",
+            ]
+        )
+        assert rc == 0, capsys.readouterr().err
+        d = json.loads(capsys.readouterr().out)
+        rows = list(csv.DictReader(out.open()))
+        # Every id of the file, once, spelled as in the file.
+        assert sorted(r["prompt_id"] for r in rows) == sorted(ids)
+        assert "000" in {r["prompt_id"] for r in rows}
+        assert d["latency_lower_bound_s"] > 0 and d["ratio_to_latency_bound"] >= 1.0
+        assert d["ratio_to_bound"] >= 1.0
+
+
+def test_simulate_string_ids_with_an_actual_file(tmp_path, capsys):
+    pred, act = tmp_path / "p.csv", tmp_path / "a.csv"
+    ids = _string_id_file(pred, n=1)
+    # The actual file lists the same ids in another order, in the wide form.
+    act.write_text(
+        "prompt_id,o1,o2\n"
+        + "".join(f"{x},{30 + k},{90 - k}\n" for k, x in reversed(list(enumerate(ids))))
+    )
+    args = ["simulate", "--lengths", str(pred), "--actual", str(act), "--instances", "2"]
+    assert cli([*args, "--max-num-seqs", "4", "--json"]) == 0
+    d = json.loads(capsys.readouterr().out)
+    assert d["groups"] == 40 and d["group_size"] == 2
+    for s in d["policies"].values():
+        assert sum(s["lag_histogram"].values()) == 40
+        assert s["iteration_s"] >= s["latency_lower_bound_s"] > 0
+        assert s["iteration_s"] >= s["lower_bound_s"] > 0
+    # Same ids, same lengths: the split of one wide string-id file gives the same groups.
+    assert cli([*args, "--max-num-seqs", "4"]) == 0
+    assert "xLLB" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("cmd", ["plan", "simulate"])
+def test_string_id_errors_exit_2_naming_file_line_and_id(tmp_path, capsys, cmd):
+    f = tmp_path / "w.csv"
+    f.write_text("prompt_id,o1,o2\nq-1,1,2\nq-2,3,4\nq-1,5,6\n")
+    assert cli([cmd, "--lengths", str(f), "--instances", "2"]) == 2
+    err = capsys.readouterr().err
+    assert f"{f}:4" in err and "'q-1' repeats line 2" in err
+
+
+def test_actual_ids_must_have_a_prediction(tmp_path, capsys):
+    pred, act = tmp_path / "p.csv", tmp_path / "a.csv"
+    pred.write_text("prompt_id,output_tokens\nq-1,10\nq-2,20\n")
+    act.write_text("prompt_id,output_tokens\nq-1,12\nq-2,25\nQ-3,7\n")
+    rc = cli(["simulate", "--lengths", str(pred), "--actual", str(act), "--instances", "1"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert f"{act}:4: prompt_id 'Q-3' has no prediction in {pred}" in err
+
+
+# --- the default batch size -----------------------------------------------------------------
+
+
+def test_default_batch_groups_leaves_at_least_16_steps(tmp_path, capsys):
+    from runtime.scheduler.cli import MIN_STEPS, default_batch_groups
+
+    # The issue's case: 2,048 groups of 8 on 16 instances of 256 slots filled 4 steps.
+    assert default_batch_groups(16, 256, 8, 2048) == 2048 // MIN_STEPS == 128
+    # A small cluster keeps its fill-once batch; fewer groups than 16 steps: one per step.
+    assert default_batch_groups(2, 8, 4, 10_000) == 4
+    assert default_batch_groups(16, 256, 8, 5) == 1
+    f = tmp_path / "many.csv"
+    f.write_text(
+        "prompt_id,output_tokens\n"
+        + "".join(f"g{p},{10 + p % 50}\n" for p in range(320) for _ in range(2))
+    )
+    assert (
+        cli(["simulate", "--lengths", str(f), "--instances", "16", "--policy", "fifo", "--json"])
+        == 0
+    )
+    d = json.loads(capsys.readouterr().out)
+    assert d["batch_groups"] == 20
+    assert d["policies"]["fifo"]["steps"] == 16

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import random
 
 import pytest
@@ -11,7 +12,7 @@ from hypothesis import strategies as st
 from runtime.bubbles import skewness_fraction
 from runtime.scheduler import CostModel, GroupSpec, InstanceSpec, make_scheduler
 from runtime.sim.compare import compare
-from runtime.sim.engine import SimRun, simulate
+from runtime.sim.engine import SimRun, latency_lower_bound, simulate
 
 # Constant step time and free prefill, sync and training: timings become analytic.
 FLAT = CostModel(
@@ -145,7 +146,8 @@ def test_simulate_rejects_missing_actual_lengths():
         simulate(s, groups, {0: (5,)}, inst, batch_groups=1, lag_bound=0)
 
 
-def test_castillo_sample_runs_and_is_deterministic():
+def castillo_sample(policies, batch_groups, lag_bound):
+    """``compare`` on tests/data/castillo_sample.csv: sample 1 predicts the other nine."""
     from pathlib import Path
 
     from runtime.scheduler.lengths import read_lengths
@@ -153,25 +155,20 @@ def test_castillo_sample_runs_and_is_deterministic():
     t = read_lengths(Path(__file__).parent / "data" / "castillo_sample.csv")
     pred, act = t.split(1)
     groups = [GroupSpec(p, 9, ls) for p, ls in zip(pred.prompt_ids, pred.lengths, strict=True)]
-    inst = [InstanceSpec(i, 18) for i in range(3)]
-    a = compare(
-        ["fifo", "sorted", "asp"],
+    return compare(
+        policies,
         groups,
         act.as_map(),
-        inst,
-        batch_groups=6,
-        lag_bound=1,
+        [InstanceSpec(i, 18) for i in range(3)],
+        batch_groups=batch_groups,
+        lag_bound=lag_bound,
         prompt_tokens=dict(zip(t.prompt_ids, t.prompt_tokens, strict=True)),
     )
-    b = compare(
-        ["asp"],
-        groups,
-        act.as_map(),
-        inst,
-        batch_groups=6,
-        lag_bound=1,
-        prompt_tokens=dict(zip(t.prompt_ids, t.prompt_tokens, strict=True)),
-    )
+
+
+def test_castillo_sample_runs_and_is_deterministic():
+    a = castillo_sample(["fifo", "sorted", "asp"], 6, 1)
+    b = castillo_sample(["asp"], 6, 1)
     assert a["asp"].iteration_s == b["asp"].iteration_s
     assert all(r.groups == 60 for r in a.values())
 
@@ -198,7 +195,85 @@ def test_property_every_group_consumed_once_within_the_bound(
     assert r.steps == -(-len(lengths) // b)
     assert sum(r.breakdown.fractions.values()) == pytest.approx(1.0)
     assert r.makespan_s >= r.makespan_lower_bound_s * (1 - 1e-9)
+    assert r.iteration_s >= r.latency_lower_bound_s * (1 - 1e-9)
     assert r.tokens == sum(map(sum, lengths))
+
+
+# --- the latency-aware (critical-path) lower bound --------------------------------------------
+
+# Per-token time grows with the batch and the context; prefill and the trainer cost time too.
+LAT = CostModel(
+    step_base_s=1e-3,
+    step_per_seq_s=2e-4,
+    step_per_ctx_token_s=1e-7,
+    prefill_per_token_s=1e-5,
+    trainer_base_s=0.05,
+    trainer_tokens_per_s=1e6,
+    weight_sync_s=0.0,
+)
+
+
+def solo_s(cost, length, prompt=0):
+    """One sequence alone on an instance: prefill, then ``length`` decode steps at running=1."""
+    return cost.prefill_s(prompt) + cost.decode_steps_s(length, 1, prompt)
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_one_long_group_alone_is_bounded_by_its_solo_decode(eta):
+    # One sample on an otherwise empty cluster: the run is its solo decode plus the trainer's
+    # step, whatever η; the bound is that solo decode plus the step's fixed part (its per-token
+    # part is only counted spread over the η + 1 periods).
+    r = run("fifo", [(2000,)], k=2, c=8, b=1, eta=eta, cost=LAT)
+    lam, step = solo_s(LAT, 2000), LAT.trainer_step_s(2000)
+    assert r.latency_lower_bound_s == pytest.approx(
+        max(lam + LAT.trainer_base_s, (lam + step) / (eta + 1))
+    )
+    assert r.iteration_s == pytest.approx(lam + step, rel=1e-9)
+    assert r.iteration_s >= r.latency_lower_bound_s
+    # Siblings share the instance: the long sample decodes slower than alone, never faster.
+    r3 = run("fifo", [(2000, 30, 10)], k=2, c=8, b=1, eta=eta, cost=LAT)
+    assert r3.iteration_s > r3.latency_lower_bound_s >= lam + LAT.trainer_base_s
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2, 3])
+def test_lag_bound_divides_the_critical_path(eta):
+    # 12 equal groups, one per step: the steady period is (Λ + T) / (η + 1).
+    prompt = 40
+    lam = solo_s(LAT, 500, prompt)
+    actual = [(500, 500)] * 12
+    t1 = LAT.trainer_step_s(2 * (500 + prompt))
+    got = latency_lower_bound(actual, [prompt] * 12, LAT, batch_groups=1, lag_bound=eta) / 12
+    assert got == pytest.approx((lam + t1) / (eta + 1))
+    # Batches of 3 share one critical path: 4 steps. When η + 1 does not divide the steps, the
+    # chain of disjoint windows (ceil(4 / (η + 1)) of them) is the larger bound.
+    t3 = LAT.trainer_step_s(6 * (500 + prompt))
+    got3 = latency_lower_bound(actual, [prompt] * 12, LAT, batch_groups=3, lag_bound=eta) / 4
+    chain = math.ceil(4 / (eta + 1)) * (lam + LAT.trainer_base_s) / 4
+    assert got3 == pytest.approx(max((lam + t3) / (eta + 1), chain))
+    # The simulator never beats it.
+    r = run("fifo", actual, k=2, c=4, b=1, eta=eta, cost=LAT)
+    assert r.iteration_s >= r.latency_lower_bound_s * (1 - 1e-9) > 0
+
+
+def test_rare_long_groups_are_counted_once_per_chain():
+    # Two long groups among 20 short ones, B=1, η=1: both long groups may share a window, so
+    # the bound counts one long path, plus the short groups' share over the η + 1 periods.
+    cost = LAT
+    actual = [(3000,)] * 2 + [(10,)] * 20
+    lb = latency_lower_bound(actual, [0] * 22, cost, batch_groups=1, lag_bound=1)
+    lam_long, lam_short = solo_s(cost, 3000), solo_s(cost, 10)
+    toks = 2 * 3000 + 20 * 10
+    averaged = (2 * lam_long + 20 * lam_short + 22 * cost.trainer_base_s + toks / 1e6) / 2
+    chain = max(lam_long + cost.trainer_base_s, 11 * (lam_short + cost.trainer_base_s))
+    assert lb == pytest.approx(max(averaged, chain))
+
+
+@pytest.mark.parametrize("eta", [0, 1, 2])
+def test_latency_bound_holds_on_the_castillo_sample(eta):
+    res = castillo_sample(["fifo", "sorted", "asp"], 4, eta)
+    for r in res.values():
+        assert 0 < r.latency_lower_bound_s <= r.iteration_s
+        assert r.ratio_to_latency_bound >= 1.0
 
 
 class _MigratingRun(SimRun):

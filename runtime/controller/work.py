@@ -39,11 +39,12 @@ class TaskData:
 
 def load_task(config: Config) -> TaskData:
     """Prompts, their token ids, the eval set and the length history (blocking)."""
-    from runtime.scheduler.lengths import LengthHistory, read_lengths
+    from runtime.scheduler.lengths import LengthHistory
     from runtime.tasks import (
         build_task,
         encode_prompt,
         ensure_model,
+        length_prior,
         load_tokenizer,
         resolve_chat_template,
     )
@@ -78,7 +79,7 @@ def load_task(config: Config) -> TaskData:
         _skip_long_prompts(
             config, eval_task, data.eval_prompts, data.eval_tokens, "eval", data.notices
         )
-    initial = read_lengths(config.scheduler.lengths).as_map() if config.scheduler.lengths else None
+    initial = length_prior(config, task)
     data.lengths = LengthHistory(
         initial=initial, prompt_tokens={pid: int(t.size) for pid, t in tokens.items()}
     )

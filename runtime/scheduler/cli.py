@@ -30,6 +30,17 @@ from runtime.scheduler.lengths import LengthsFileError, LengthTable, predictor_q
 from runtime.scheduler.policies import POLICIES, make_scheduler
 
 EXIT_USAGE = 2
+MIN_STEPS = 16
+"""The default ``--batch-groups`` leaves at least this many trainer steps (when there are at
+least as many groups): fewer steps are mostly pipeline fill and drain, and a mean iteration
+time over them says little about steady state."""
+
+
+def default_batch_groups(instances: int, max_num_seqs: int, group_size: int, groups: int) -> int:
+    """Groups per step when ``--batch-groups`` is not given: enough to fill every slot once
+    (ceil(K C / n)), capped at groups // MIN_STEPS, and at least 1."""
+    fill = math.ceil(instances * max_num_seqs / group_size)
+    return max(1, min(fill, groups // MIN_STEPS))
 
 
 def _int_at_least(minimum: int) -> Callable[[str], int]:
@@ -76,7 +87,8 @@ def _common(p: argparse.ArgumentParser) -> None:
         "--batch-groups",
         type=_positive,
         metavar="B",
-        help="groups per trainer step (default: enough to fill every slot once)",
+        help="groups per trainer step (default: enough to fill every slot once, but at most "
+        f"groups/{MIN_STEPS} so that the run has at least {MIN_STEPS} trainer steps)",
     )
     p.add_argument(
         "--max-num-seqs",
@@ -146,19 +158,19 @@ class _Setup:
         actual: LengthTable | None = None
         if getattr(args, "actual", None):
             actual = read_lengths(args.actual)
-            pred_map = table.as_map()
-            missing = [p for p in actual.prompt_ids if p not in pred_map]
+            known = set(table.ids)
+            missing = [k for k, x in enumerate(actual.ids) if x not in known]
             if missing:
+                k = missing[0]
                 raise LengthsFileError(
-                    f"{args.actual}: prompt_id {missing[0]} has no prediction in {args.lengths}"
+                    f"{args.actual}:{actual.lines[k]}: prompt_id {actual.ids[k]!r} has no "
+                    f"prediction in {args.lengths} ({len(missing)} of {len(actual)} ids have "
+                    "none; ids are matched as text)"
                 )
-            pred = LengthTable(
-                actual.prompt_ids,
-                [pred_map[p] for p in actual.prompt_ids],
-                actual.prompt_tokens or _tokens_for(table, actual.prompt_ids),
-                table.source,
-                table.form,
-            )
+            # The prediction, in the actual file's order: dense id k is actual.ids[k] in both.
+            pred = table.subset(actual.ids)
+            if actual.prompt_tokens:
+                pred.prompt_tokens = actual.prompt_tokens
         elif split and min(len(x) for x in table.lengths) > 1:
             pred, actual = table.split(1)
         else:
@@ -186,17 +198,12 @@ class _Setup:
         if c < self.n:
             raise LengthsFileError(f"--max-num-seqs {c} is smaller than the group size {self.n}")
         self.instances = [InstanceSpec(i, c) for i in range(args.instances)]
-        self.batch_groups = args.batch_groups or math.ceil(args.instances * c / self.n)
+        self.batch_groups = args.batch_groups or default_batch_groups(
+            args.instances, c, self.n, len(self.groups)
+        )
         self.cost = CostModel.sized_for(args.instances, max_num_seqs=c)
         if args.trainer_tokens_per_s:
             self.cost = replace(self.cost, trainer_tokens_per_s=args.trainer_tokens_per_s)
-
-
-def _tokens_for(table: LengthTable, ids: list[int]) -> list[int]:
-    if not table.prompt_tokens:
-        return []
-    m = dict(zip(table.prompt_ids, table.prompt_tokens, strict=True))
-    return [m.get(p, 0) for p in ids]
 
 
 def _fail(msg: str) -> int:
@@ -253,7 +260,7 @@ def run_plan(args: argparse.Namespace) -> int:
         with Path(args.out).open("w", newline="") as fh:
             w = csv.writer(fh)
             w.writerow(["instance", "position", "prompt_id"])
-            w.writerows(rows)
+            w.writerows((i, pos, st.pred.ids[p]) for i, pos, p in rows)
     out = {
         "policy": args.policy,
         "variant": getattr(getattr(sched, "plan_info", None), "variant", None),
@@ -266,6 +273,8 @@ def run_plan(args: argparse.Namespace) -> int:
         "predicted_iteration_s": res.iteration_s,
         "lower_bound_s": res.lower_bound_s,
         "ratio_to_bound": res.ratio_to_bound,
+        "latency_lower_bound_s": res.latency_lower_bound_s,
+        "ratio_to_latency_bound": res.ratio_to_latency_bound,
         "out": args.out,
     }
     if args.json:
@@ -298,8 +307,9 @@ def run_plan(args: argparse.Namespace) -> int:
     b.add_row(*(f"{res.breakdown.fractions[c]:.1%}" for c in BUBBLE_CATEGORIES))
     con.print(b)
     con.print(
-        f"predicted iteration time {res.iteration_s:.2f} s, lower bound "
-        f"{res.lower_bound_s:.2f} s, ratio {res.ratio_to_bound:.3f}"
+        f"predicted iteration time {res.iteration_s:.2f} s; lower bounds: throughput "
+        f"{res.lower_bound_s:.2f} s (ratio {res.ratio_to_bound:.3f}), latency "
+        f"{res.latency_lower_bound_s:.2f} s (ratio {res.ratio_to_latency_bound:.3f})"
     )
     if args.out:
         con.print(f"wrote {len(rows)} rows to {args.out}")
@@ -307,6 +317,7 @@ def run_plan(args: argparse.Namespace) -> int:
 
 
 def _plan_rows(sched) -> list[tuple[int, int, int]]:
+    """(instance, position, dense prompt id) of every planned group."""
     rows = []
     for i in sorted(sched.queues):
         pos = 0
@@ -420,12 +431,13 @@ def simulate_table(res, title: str = ""):
     ]
     t = Table(
         title=title,
-        caption="bubbles and trainer time in %; iter = makespan / steps (s)",
+        caption="bubbles and trainer time in %; iter = makespan / steps (s); xLB, xLLB = iter "
+        "over the throughput and the latency (critical-path) lower bound",
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
     )
     t.add_column("policy", justify="right", no_wrap=True, min_width=6)
-    for col in ("iter", "xLB"):
+    for col in ("iter", "xLB", "xLLB"):
         t.add_column(col, justify="right")
     for c in cats:
         t.add_column(_SHORT[c], justify="right")
@@ -439,6 +451,7 @@ def simulate_table(res, title: str = ""):
             name,
             f"{r.iteration_s:.1f}",
             f"{r.ratio_to_bound:.2f}",
+            f"{r.ratio_to_latency_bound:.2f}",
             *(f"{100 * fr[c]:.1f}" for c in cats),
             f"{100 * r.breakdown.trainer['starved']:.0f}",
             f"{100 * r.breakdown.trainer['lag_wait']:.0f}",

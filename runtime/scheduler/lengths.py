@@ -6,8 +6,15 @@ A lengths file is a CSV, detected from its header:
 - *long*: a ``prompt_id`` and an ``output_tokens`` column, one row per sample; rows sharing a
   ``prompt_id`` form a group (an optional ``prompt_tokens`` column is kept);
 - *wide*: one row per group and one column per sample, named ``o1..oK`` or ``out_*`` (the grouped
-  traces in shared/data/lengths as they are). The group id is ``prompt_id`` when that column exists
-  and is unique, else the row number (castillo's ``prompt_idx`` repeats across models).
+  traces in shared/data/lengths as they are). The group id is the ``prompt_id`` column when the
+  file has one (a repeated id is an error), else the data row number counted from 0 (castillo has
+  no ``prompt_id``; its ``prompt_idx`` repeats across models).
+
+Prompt ids are text, kept exactly as the file spells them (``h7-0``, ``12``, ``007``): a plan or
+output written from the table gives them back unchanged, and a live run matches them against the
+task's ids as text (:func:`match_task_ids`). Inside, the schedulers and the controller core
+number prompts with dense integers: ``LengthTable.prompt_ids`` is ``0..len-1`` in file order
+and ``LengthTable.ids[k]`` is the file's id of prompt ``k``.
 """
 
 from __future__ import annotations
@@ -32,44 +39,70 @@ class LengthsFileError(ValueError):
 
 @dataclass
 class LengthTable:
-    """Groups read from a lengths file, in file order."""
+    """Groups read from a lengths file, in file order: ``ids[k]`` is the file's id of the group
+    the schedulers know as prompt ``k``."""
 
-    prompt_ids: list[int]
+    ids: list[str]
     lengths: list[tuple[int, ...]]
     prompt_tokens: list[int] = field(default_factory=list)
     source: str = ""
     form: str = "long"
+    lines: list[int] = field(default_factory=list)
+    """The file line each group starts on (empty for a table not read from a file)."""
 
     def __len__(self) -> int:
-        return len(self.prompt_ids)
+        return len(self.ids)
+
+    @property
+    def prompt_ids(self) -> list[int]:
+        """The dense integer ids the schedulers use: ``0..len-1`` in file order."""
+        return list(range(len(self.ids)))
 
     def as_map(self) -> dict[int, tuple[int, ...]]:
-        return dict(zip(self.prompt_ids, self.lengths, strict=True))
+        """Lengths by dense prompt id."""
+        return dict(enumerate(self.lengths))
+
+    def by_id(self) -> dict[str, tuple[int, ...]]:
+        """Lengths by the file's own id."""
+        return dict(zip(self.ids, self.lengths, strict=True))
+
+    def subset(self, ids: Sequence[str], source: str = "") -> LengthTable:
+        """The groups with the file ids ``ids``, in that order (every id must be present)."""
+        index = {x: k for k, x in enumerate(self.ids)}
+        return LengthTable(
+            list(ids),
+            [self.lengths[index[x]] for x in ids],
+            [self.prompt_tokens[index[x]] for x in ids] if self.prompt_tokens else [],
+            source or self.source,
+            self.form,
+            [self.lines[index[x]] for x in ids] if self.lines else [],
+        )
 
     def split(self, predict: int = 1) -> tuple[LengthTable, LengthTable]:
         """(prediction, actual): the first ``predict`` samples of every group predict the rest.
         Groups with too few samples are an error."""
-        short = [
-            p for p, ls in zip(self.prompt_ids, self.lengths, strict=True) if len(ls) <= predict
-        ]
+        short = [k for k, ls in enumerate(self.lengths) if len(ls) <= predict]
         if short:
             raise LengthsFileError(
-                f"{self.source}: prompt_id {short[0]} has {len(self.as_map()[short[0]])} samples;"
-                f" splitting off {predict} as the prediction needs more"
+                f"{self.source}: prompt_id {self.ids[short[0]]!r} has "
+                f"{len(self.lengths[short[0]])} samples; splitting off {predict} as the "
+                "prediction needs more"
             )
         pred = LengthTable(
-            self.prompt_ids,
+            self.ids,
             [ls[:predict] for ls in self.lengths],
             self.prompt_tokens,
             self.source,
             self.form,
+            self.lines,
         )
         act = LengthTable(
-            self.prompt_ids,
+            self.ids,
             [ls[predict:] for ls in self.lengths],
             self.prompt_tokens,
             self.source,
             self.form,
+            self.lines,
         )
         return pred, act
 
@@ -86,6 +119,14 @@ def _int(value: str, where: str, column: str) -> int:
     return int(f)
 
 
+def _id(value: str, where: str) -> str:
+    """A prompt id as the file spells it (surrounding blanks dropped); empty is an error."""
+    text = value.strip()
+    if not text:
+        raise LengthsFileError(f"{where}: column 'prompt_id' is empty (every row needs an id)")
+    return text
+
+
 def read_lengths(path: str | Path) -> LengthTable:
     """Read a long or wide lengths CSV (see the module docstring)."""
     p = Path(path)
@@ -100,11 +141,13 @@ def read_lengths(path: str | Path) -> LengthTable:
         wide = [j for j, h in enumerate(header) if _WIDE.match(h)]
         col = {h: j for j, h in enumerate(header)}
         tokens_j = col.get("prompt_tokens")
-        ids: list[int] = []
+        ids: list[str] = []
         lengths: list[tuple[int, ...]] = []
         ptoks: list[int] = []
+        lines: list[int] = []
         if wide:
             id_j = col.get("prompt_id")
+            seen: dict[str, int] = {}
             for ln, row in enumerate(reader, start=2):
                 if not row:
                     continue
@@ -112,11 +155,17 @@ def read_lengths(path: str | Path) -> LengthTable:
                 if len(row) != len(header):
                     raise LengthsFileError(f"{where}: {len(row)} fields, header has {len(header)}")
                 lengths.append(tuple(_int(row[j], where, header[j]) for j in wide))
-                ids.append(_int(row[id_j], where, "prompt_id") if id_j is not None else ln - 2)
+                pid = _id(row[id_j], where) if id_j is not None else str(len(ids))
+                if pid in seen:
+                    raise LengthsFileError(
+                        f"{where}: column 'prompt_id': {pid!r} repeats line {seen[pid]} (a wide "
+                        "file has one row per group; rows sharing an id belong in a long file)"
+                    )
+                seen[pid] = ln
+                ids.append(pid)
+                lines.append(ln)
                 if tokens_j is not None:
                     ptoks.append(_int(row[tokens_j], where, "prompt_tokens"))
-            if id_j is not None and len(set(ids)) != len(ids):
-                ids = list(range(len(ids)))
             form = "wide"
         else:
             for need in ("prompt_id", "output_tokens"):
@@ -126,15 +175,17 @@ def read_lengths(path: str | Path) -> LengthTable:
                         f"output_tokens; a wide file needs o1..oK or out_* columns); "
                         f"header is {','.join(header)}"
                     )
-            groups: dict[int, list[int]] = {}
-            toks: dict[int, int] = {}
+            groups: dict[str, list[int]] = {}
+            toks: dict[str, int] = {}
             for ln, row in enumerate(reader, start=2):
                 if not row:
                     continue
                 where = f"{p}:{ln}"
                 if len(row) != len(header):
                     raise LengthsFileError(f"{where}: {len(row)} fields, header has {len(header)}")
-                pid = _int(row[col["prompt_id"]], where, "prompt_id")
+                pid = _id(row[col["prompt_id"]], where)
+                if pid not in groups:
+                    lines.append(ln)
                 groups.setdefault(pid, []).append(
                     _int(row[col["output_tokens"]], where, "output_tokens")
                 )
@@ -146,17 +197,40 @@ def read_lengths(path: str | Path) -> LengthTable:
             form = "long"
     if not ids:
         raise LengthsFileError(f"{p}: no data rows")
-    return LengthTable(ids, lengths, ptoks, str(p), form)
+    return LengthTable(ids, lengths, ptoks, str(p), form, lines)
 
 
-def write_lengths(path: str | Path, table: Mapping[int, Sequence[int]]) -> None:
-    """Write a long lengths CSV (``prompt_id,output_tokens``)."""
+def write_lengths(path: str | Path, table: Mapping[str | int, Sequence[int]]) -> None:
+    """Write a long lengths CSV (``prompt_id,output_tokens``); ids are written as given."""
     with Path(path).open("w", newline="") as fh:
         w = csv.writer(fh)
         w.writerow(["prompt_id", "output_tokens"])
         for pid, ls in table.items():
             for x in ls:
                 w.writerow([pid, int(x)])
+
+
+def match_task_ids(
+    table: LengthTable, task_ids: Mapping[int, str | int], task: str
+) -> tuple[dict[int, tuple[int, ...]], list[str]]:
+    """A lengths file's groups keyed by the task's prompt ids (``task_ids``: prompt id -> the
+    task's own id for it, matched as text), and the file ids that name no prompt. Prompts the
+    file lacks have no prior, and a file may profile more prompts than a run uses; a file none
+    of whose ids name a prompt is an error (the wrong file, or ids from another column), which
+    names the file's first line."""
+    by_text = {str(ext): pid for pid, ext in task_ids.items()}
+    unknown = [x for x in table.ids if x not in by_text]
+    if len(unknown) == len(table):
+        where = f"{table.source}:{table.lines[0]}" if table.lines else table.source
+        some = ", ".join(repr(str(x)) for x in list(task_ids.values())[:5])
+        hint = " (task.id_field names the dataset column they come from)" * (task == "dataset")
+        raise LengthsFileError(
+            f"scheduler.lengths: {where}: column 'prompt_id': {table.ids[0]!r} is not a prompt "
+            f"id of task {task!r}, and neither is any other of the file's {len(table)} ids; the "
+            f"task's ids look like {some}{hint}"
+        )
+    prior = {by_text[x]: ls for x, ls in zip(table.ids, table.lengths, strict=True) if x in by_text}
+    return prior, unknown
 
 
 class LengthHistory:

@@ -61,6 +61,10 @@ class SimResult:
     steady_lower_bound_s: float
     """Throughput bound per step (B groups' share of the work), for ``steady_iteration_s``."""
     makespan_lower_bound_s: float
+    latency_lower_bound_s: float
+    """Critical-path bound on ``iteration_s`` (see ``latency_lower_bound``): the long groups'
+    solo latency over the trainer periods the lag bound allows, per step. ``lower_bound_s``
+    stays the throughput bound; neither is implied by the other, and both hold for any plan."""
     breakdown: Breakdown
     queue_timeline: np.ndarray
     """(k, 2) array of (time, training-queue depth in groups) at every change."""
@@ -74,6 +78,11 @@ class SimResult:
     def ratio_to_bound(self) -> float:
         return self.iteration_s / self.lower_bound_s if self.lower_bound_s > 0 else math.inf
 
+    @property
+    def ratio_to_latency_bound(self) -> float:
+        lb = self.latency_lower_bound_s
+        return self.iteration_s / lb if lb > 0 else math.inf
+
     def summary(self) -> dict:
         d = self.iteration_times
         return {
@@ -86,6 +95,8 @@ class SimResult:
             "lower_bound_s": self.lower_bound_s,
             "steady_lower_bound_s": self.steady_lower_bound_s,
             "ratio_to_bound": self.ratio_to_bound,
+            "latency_lower_bound_s": self.latency_lower_bound_s,
+            "ratio_to_latency_bound": self.ratio_to_latency_bound,
             "makespan_s": self.makespan_s,
             "makespan_lower_bound_s": self.makespan_lower_bound_s,
             "steps": self.steps,
@@ -138,6 +149,56 @@ def lower_bound(
     if g:
         per = per * steps * batch_groups / g if g >= batch_groups else per
     return per, span
+
+
+def latency_lower_bound(
+    actual: Sequence[Sequence[int]],
+    prompt_tokens: Sequence[int],
+    cost: CostModel,
+    batch_groups: int,
+    lag_bound: int,
+) -> float:
+    """Makespan bound from the critical path (shared/reference/long-tail-rollouts.md §4.2),
+    valid for any plan under the governor's lag rule.
+
+    A group's latency is at least its longest sample alone on an instance: ``Λ = prefill_s(P) +
+    decode_steps_s(L_max, running=1, P)``. Step s (publishing version s+1 at t_{s+1}; t_0 = 0)
+    consumes B groups, each started at a version >= s - η, i.e. no earlier than t_{s-η}, so
+    ``t_{s+1} - t_{s-η} >= X_s + T_s`` with X_s the longest Λ in its batch and T_s its trainer
+    step. Steps η+1 apart have disjoint windows, which gives two bounds on the makespan t_S:
+
+    - averaged over the η+1 residues: ``t_S >= (sum_s X_s + sum_s T_s) / (η + 1)``, and the sum of
+      batch maxima is least when batches are the length-sorted chunks of B, so
+      ``sum_s X_s >= sum_j Λ_(jB)`` (Λ sorted descending); ``sum_s T_s`` is the trainer's total;
+    - a chain: at least k steps hold a group with Λ >= Λ_((k-1)B), and ceil(k / (η+1)) of them
+      have disjoint windows, so ``t_S >= ceil(k / (η+1)) (Λ_((k-1)B) + trainer_base_s)``.
+
+    In steady state with a long group in every batch this is the note's period bound
+    ``P >= (Λ + T) / (η + 1)``; one group alone gives ``Λ + T``. Weight-sync freezes are left out
+    (a group may finish before the next publish), so the bound stays valid."""
+    g = len(actual)
+    if not g:
+        return 0.0
+    b = max(1, batch_groups)
+    steps = math.ceil(g / b)
+    h = lag_bound + 1
+    longest = np.array([max(x) if len(x) else 0 for x in actual], dtype=float)
+    ptok = np.asarray(prompt_tokens, dtype=float)
+    lam = np.array(
+        [
+            cost.prefill_s(p) + cost.decode_steps_s(L, 1, p)
+            for L, p in zip(longest, ptok, strict=True)
+        ]
+    )
+    heads = np.sort(lam)[::-1][::b]  # Λ_(jB), j = 0..steps-1
+    tokens = float(sum(sum(x) for x in actual)) + float(
+        sum(len(x) * p for x, p in zip(actual, ptok, strict=True))
+    )
+    train = steps * cost.trainer_base_s + tokens / cost.trainer_tokens_per_s
+    averaged = (float(heads.sum()) + train) / h
+    k = np.arange(1, steps + 1)
+    chain = float(np.max(np.ceil(k / h) * (heads + cost.trainer_base_s)))
+    return max(averaged, chain)
 
 
 def simulate(
@@ -422,6 +483,9 @@ class SimRun:
             self.lengths, self.prompt_tokens, self.instances, self.cost, b, self.lag_bound
         )
         steps = len(self.step_ends)
+        lat_span = latency_lower_bound(
+            self.lengths, self.prompt_tokens, self.cost, b, self.lag_bound
+        )
         return SimResult(
             policy=self.first[1].name,
             iteration_s=float(end) / max(1, steps),
@@ -432,6 +496,7 @@ class SimRun:
             lower_bound_s=lb_span / max(1, steps),
             steady_lower_bound_s=lb_step,
             makespan_lower_bound_s=lb_span,
+            latency_lower_bound_s=lat_span / max(1, steps),
             breakdown=bd,
             queue_timeline=np.asarray(self.queue_timeline, dtype=float),
             lag_histogram=dict(self.lags.histogram),

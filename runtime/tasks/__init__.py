@@ -177,6 +177,46 @@ def _build_builtin(config: Config, out_dir: Path, progress: ProgressFn | None) -
     return info
 
 
+def task_ids(task: Any) -> dict[int, str | int]:
+    """The task's own id of every prompt, by prompt id: a dataset's ``task.id_field`` (else its
+    row number); any other task's prompt id."""
+    from runtime.tasks.dataset import DatasetTask
+
+    if isinstance(task, DatasetTask):
+        return {p.prompt_id: task.ids[p.prompt_id - task.id_base] for p in task.prompts}
+    return {p.prompt_id: p.prompt_id for p in task.prompts}
+
+
+def length_prior(config: Config, task: Any) -> dict[int, tuple[int, ...]] | None:
+    """``scheduler.lengths`` by prompt id, its ids matched as text against the task's own
+    (:func:`task_ids`); None when unset. A file none of whose ids names a prompt is a
+    ConfigError; ids that name none while others do are logged and left out."""
+    if not config.scheduler.lengths:
+        return None
+    from runtime.config import ConfigError
+    from runtime.scheduler.lengths import LengthsFileError, match_task_ids, read_lengths
+
+    try:
+        table = read_lengths(config.scheduler.lengths)
+        prior, unknown = match_task_ids(table, task_ids(task), config.task.name)
+    except LengthsFileError as exc:
+        msg = str(exc)
+        raise ConfigError(
+            msg if msg.startswith("scheduler.") else f"scheduler.lengths: {msg}"
+        ) from None
+    if unknown:
+        log.warning(
+            "scheduler.lengths: %d of the %d ids in %s name no prompt of task %r and are left "
+            "out (first: %r)",
+            len(unknown),
+            len(table),
+            table.source,
+            config.task.name,
+            unknown[0],
+        )
+    return prior
+
+
 def preflight(config: Config) -> Config:
     """Check the task (and that telemetry.wandb can be honoured) before any process starts,
     and fix the task's local paths.
@@ -214,7 +254,9 @@ def preflight(config: Config) -> Config:
     if task.eval is not None and Path(task.eval.dataset).expanduser().exists():
         task.eval.dataset = str(Path(task.eval.dataset).expanduser().resolve())
     resolved = config.model_copy(update={"task": task})
-    build_task(resolved).rewards  # noqa: B018 (loads the data, imports the rewards: ConfigError)
+    built = build_task(resolved)
+    built.rewards  # noqa: B018 (loads the data, imports the rewards: ConfigError)
+    length_prior(resolved, built)  # scheduler.lengths names this dataset's ids
     from runtime.tasks.dataset import DatasetTask
 
     evaluation = DatasetTask.eval_of(resolved)
