@@ -194,6 +194,12 @@ class RolloutConfig(_Section):
     instances: PositiveInt | list[InstanceConfig] = 2
     max_num_seqs: PositiveInt = 16
     kv_cache_gib: PositiveFloat = 1.0
+    scheduling_policy: Literal["fcfs", "priority"] = "fcfs"
+    """The engine's waiting queue (vLLM ``scheduling_policy``; the sim backend and the
+    simulator model the same): ``fcfs`` in arrival order, ignoring ``Generate.priority``;
+    ``priority``: lowest ``Generate.priority`` first, arrival order among equals (and the
+    highest is preempted first when the KV cache runs out). ``fcfs`` unless a scheduler that
+    sets priorities asks for it."""
     sampling: SamplingConfig = SamplingConfig()
     heartbeat_s: PositiveFloat = 1.0
     heartbeat_timeout_s: PositiveFloat = 10.0

@@ -62,6 +62,22 @@ class Heartbeat(_Message):
     """Garbage frames this worker's socket has rejected so far (counted, then ignored)."""
 
 
+class PartialSample(msgspec.Struct, omit_defaults=True, kw_only=True):
+    """One sample's output so far: what an instance reports for a group aborted with
+    ``AbortGroups(partial=True)``, and what a ``Generate`` continues (``Generate.prefix``)."""
+
+    token_ids: np.ndarray
+    """int32, the tokens generated so far (the prompt not included)."""
+    logprobs: np.ndarray
+    """float32, their behaviour log-probs."""
+    version_min: int
+    version_max: int
+    finish_reason: str = "abort"
+    """``abort``: unfinished, to be continued; ``stop`` or ``length``: the sample is complete."""
+    finished_at: float = 0.0
+    """When a complete sample finished."""
+
+
 class Generate(_Message):
     """Generate one group: ``n`` samples of one prompt."""
 
@@ -75,6 +91,14 @@ class Generate(_Message):
     """Overrides ``rollout.sampling.temperature`` for this group (0 = greedy, e.g. for evals)."""
     top_p: float | None = None
     """Overrides ``rollout.sampling.top_p`` for this group."""
+    priority: int = 0
+    """Lower is sooner (vLLM's convention); heeded under ``rollout.scheduling_policy:
+    priority``, ignored under ``fcfs``."""
+    prefix: list[PartialSample] | None = None
+    """Continue a migrated group: per sample (``n`` of them) the output generated so far
+    elsewhere. An unfinished sample continues from prompt + its tokens, for at most
+    ``max_tokens`` minus what it has (``max_tokens`` caps the whole completion); a complete
+    one is returned as it is. The result holds the whole completions, prefix included."""
 
 
 class Completion(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -102,6 +126,9 @@ class GroupAborted(_Message):
     group_id: int
     instance_id: int
     reason: str
+    partial: list[PartialSample] | None = None
+    """Per sample, the output so far (prefix included), when the abort asked for it
+    (``AbortGroups.partial``); a ``Generate`` with it as ``prefix`` continues the group."""
 
 
 class GroupFailed(_Message):
@@ -147,6 +174,9 @@ class UpdateWeights(_Message):
 
 class AbortGroups(_Message):
     group_ids: list[int]
+    partial: bool = False
+    """Report each aborted group's output so far in its ``GroupAborted.partial`` (to move the
+    group to another instance); False: a plain abort, the output is dropped."""
 
 
 class Shutdown(_Message):
@@ -314,6 +344,8 @@ class EventKind(enum.StrEnum):
     INSTANCE = "instance"
     WEIGHTS = "weights"
     DISCARD = "discard"
+    MIGRATE = "migrate"
+    """A group moved to another instance with its partial output."""
     LAG = "lag"
     """A lowered lag bound came into force."""
     COMMAND = "command"

@@ -72,6 +72,10 @@ class Cluster:
             i: {} for i in range(instances)
         }
         self.version = {i: -1 for i in range(instances)}
+        self.moving: dict[int, dict[int, tuple[P.Generate, int]]] = {
+            i: {} for i in range(instances)
+        }
+        """Groups aborted with ``partial`` (to migrate), until ``confirm_moves``."""
         self.updates: dict[int, int] = {}
         self.to_trainer: list[object] = []
         self.published: list[P.Event] = []
@@ -100,7 +104,9 @@ class Cluster:
             self.running[i][msg.group_id] = (msg, self.version[i])
         elif isinstance(msg, P.AbortGroups):
             for gid in msg.group_ids:
-                self.running[i].pop(gid, None)
+                running = self.running[i].pop(gid, None)
+                if msg.partial and running is not None:
+                    self.moving[i][gid] = running
         elif isinstance(msg, P.UpdateWeights):
             self.updates[i] = msg.version
 
@@ -129,6 +135,7 @@ class Cluster:
     def hello(self, i: int, version: int = 0) -> None:
         self.version[i] = version
         self.running[i].clear()
+        self.moving[i].clear()
         hello = P.WorkerHello(
             instance_id=i, max_num_seqs=self.core.instances[i].max_num_seqs,
             weight_version=version, pid=1000 + i, backend="test",
@@ -143,19 +150,31 @@ class Cluster:
 
     def finish(self, i: int, gid: int) -> None:
         request, started_at = self.running[i].pop(gid)
+        prefix = request.prefix or [_empty_partial(started_at)] * request.n
         completions = [
             P.Completion(
-                token_ids=np.zeros(3 + k, dtype=np.int32), logprobs=np.zeros(3 + k, np.float32),
-                version_min=started_at, version_max=self.version[i], finish_reason="stop",
-                reward=1.0, finished_at=self.now,
+                token_ids=np.zeros(len(p.token_ids) + 3 + k, dtype=np.int32),
+                logprobs=np.zeros(len(p.token_ids) + 3 + k, np.float32),
+                version_min=p.version_min if len(p.token_ids) else started_at,
+                version_max=self.version[i], finish_reason="stop", reward=1.0,
+                finished_at=self.now,
             )
-            for k in range(request.n)
+            for k, p in enumerate(prefix)
         ]  # fmt: skip
         done = P.GroupDone(
             group_id=gid, prompt_id=request.prompt_id, instance_id=i, completions=completions,
             started_at=self.now, finished_at=self.now,
         )  # fmt: skip
         self.feed(A.InstanceMessage(i, done))
+
+    def confirm_moves(self) -> None:
+        """Every instance answers its migration aborts: two tokens made per sample."""
+        for i, moving in self.moving.items():
+            for gid, (request, started_at) in list(moving.items()):
+                del moving[gid]
+                partial = [_partial(started_at, 2)] * request.n
+                msg = P.GroupAborted(group_id=gid, instance_id=i, reason="asked", partial=partial)
+                self.feed(A.InstanceMessage(i, msg))
 
     def confirm_aborts(self) -> None:
         for i, inst in self.core.instances.items():
@@ -194,6 +213,17 @@ class Cluster:
 
     def dispatched(self) -> int:
         return sum(1 for r in self.ledger.records if r["event"] == "dispatched")
+
+
+def _partial(version: int, tokens: int) -> P.PartialSample:
+    return P.PartialSample(
+        token_ids=np.full(tokens, 7, np.int32), logprobs=np.full(tokens, -0.5, np.float32),
+        version_min=version, version_max=version,
+    )  # fmt: skip
+
+
+def _empty_partial(version: int) -> P.PartialSample:
+    return _partial(version, 0)
 
 
 def started(cluster: Cluster) -> Cluster:
@@ -319,10 +349,74 @@ def test_bad_command_is_refused_and_changes_nothing() -> None:
     assert cluster.core.governor.lag_bound == 1
 
 
+def test_a_group_migrates_with_its_partial_output() -> None:
+    cluster = started(Cluster(eta=1, instances=2, batch=2, slots=4))
+    core, dispatcher = cluster.core, cluster.core.dispatcher
+    gid = min(cluster.running[0])
+    request, _ = cluster.running[0][gid]
+    assert not dispatcher.migrate(gid, 0)  # where it runs already
+    assert not dispatcher.migrate(gid, 7)  # no such instance
+    assert not dispatcher.migrate(10**6, 1)  # not in flight
+    assert dispatcher.migrate(gid, 1, priority=-3)
+    assert not dispatcher.migrate(gid, 1)  # on its way already
+    cluster.apply(core.outbox.take())
+    assert gid in cluster.moving[0] and gid in core.instances[0].in_flight  # slots still held
+    cluster.confirm_moves()
+    # Resubmitted on instance 1: the same group, prompt and seed, with the partial output.
+    moved, _ = cluster.running[1][gid]
+    assert (moved.prompt_id, moved.seed, moved.n, moved.priority) == (
+        request.prompt_id, request.seed, request.n, -3,
+    )  # fmt: skip
+    assert moved.prefix is not None and [len(p.token_ids) for p in moved.prefix] == [2, 2]
+    record = core.instances[1].in_flight[gid]
+    assert gid not in core.instances[0].in_flight and record.instance_id == 1
+    assert record is core.governor.groups[gid]
+    assert dispatcher.migrated == 1
+    assert any(e.kind == P.EventKind.MIGRATE for e in cluster.published)
+    migrated = [r for r in cluster.ledger.records if r["event"] == "migrated"]
+    assert migrated == [{"event": "migrated", "group": gid, "instance": 0, "to": 1, "tokens": 4}]
+    drive(cluster, random.Random(7), 4)
+    events = [r["event"] for r in cluster.ledger.records if r.get("group") == gid]
+    assert events == ["dispatched", "migrated", "completed", "consumed"]
+    report = verify_records(cluster.ledger.records)
+    assert report.ok, report.errors
+
+
+def test_a_migration_yields_to_a_finished_group_and_to_a_lost_target() -> None:
+    cluster = started(Cluster(eta=1, instances=3, batch=2, slots=4))
+    core, dispatcher = cluster.core, cluster.core.dispatcher
+    # Finished before the abort landed: the result is taken; nothing moves.
+    first = min(cluster.running[0])
+    assert dispatcher.migrate(first, 1)
+    cluster.finish(0, first)
+    assert not cluster.moving[0] and first not in cluster.running[1]
+    assert [r["event"] for r in cluster.ledger.records if r.get("group") == first] == [
+        "dispatched", "completed",
+    ]  # fmt: skip
+    # The target is lost meanwhile: the group is re-queued, as after a plain abort.
+    second = min(cluster.running[0])
+    assert dispatcher.migrate(second, 2)
+    cluster.apply(core.outbox.take())
+    cluster.feed(A.ProcessExited("worker-2", -9))
+    cluster.running[2].clear()
+    cluster.confirm_moves()
+    assert second not in core.governor.groups
+    assert [r["event"] for r in cluster.ledger.records if r.get("group") == second] == [
+        "dispatched", "aborted",
+    ]  # fmt: skip
+    assert not dispatcher.migrate(min(cluster.running[0]), 2)  # not running
+    drive(cluster, random.Random(8), 3)
+    report = verify_records(cluster.ledger.records)
+    assert report.ok, report.errors
+
+
 EVENTS = st.lists(
     st.tuples(
         st.sampled_from(
-            ["finish", "finish", "finish", "step", "load", "lose", "hello", "bound", "pause"]
+            [
+                *("finish", "finish", "finish", "step", "load", "lose", "hello", "bound"),
+                *("pause", "migrate", "moved"),
+            ]
         ),
         st.integers(0, 10_000),
     ),
@@ -356,6 +450,7 @@ def test_random_event_sequences_keep_the_invariants(
         elif kind == "lose" and core.instances[i].state != DOWN:
             cluster.feed(A.ProcessExited(f"worker-{i}", -9))
             cluster.running[i].clear()
+            cluster.moving[i].clear()
             cluster.updates.pop(i, None)
         elif kind == "hello" and core.instances[i].state == DOWN:
             cluster.hello(i, version=max(0, core.governor.version - k % 2))
@@ -365,6 +460,14 @@ def test_random_event_sequences_keep_the_invariants(
         elif kind == "pause":
             paused = core.instances[i].operator_paused
             cluster.command("resume_instance" if paused else "pause_instance", ids=[i])
+        elif kind == "migrate":
+            out = sorted((gid, j) for j, groups in cluster.running.items() for gid in groups)
+            if out:
+                gid, _ = out[k % len(out)]
+                core.dispatcher.migrate(gid, i)
+                cluster.apply(core.outbox.take())
+        elif kind == "moved":
+            cluster.confirm_moves()
     report = verify_records(cluster.ledger.records)
     assert report.ok, report.errors
     consumed = sum(1 for r in cluster.ledger.records if r["event"] == "consumed")

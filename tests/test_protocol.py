@@ -61,6 +61,39 @@ def test_empty_arrays_round_trip() -> None:
     assert decoded.completions[0].token_ids.shape == (0,)
 
 
+def test_partial_outputs_round_trip_in_aborts_and_generates() -> None:
+    partial = [
+        protocol.PartialSample(
+            token_ids=np.arange(5 + k, dtype=np.int32),
+            logprobs=np.full(5 + k, -0.25, np.float32),
+            version_min=2,
+            version_max=3,
+            finish_reason="stop" if k == 0 else "abort",
+            finished_at=4.0 if k == 0 else 0.0,
+        )
+        for k in range(2)
+    ]
+    aborted = protocol.GroupAborted(group_id=4, instance_id=1, reason="asked", partial=partial)
+    generate = protocol.Generate(
+        group_id=4, prompt_id=2, prompt_token_ids=np.arange(3, dtype=np.int32), n=2,
+        max_tokens=64, priority=-2, prefix=partial,
+    )  # fmt: skip
+    for message in (aborted, generate, protocol.AbortGroups(group_ids=[4], partial=True)):
+        frames = Encoder().encode(message)
+        decoded = Decoder().decode([bytes(f) for f in frames])
+        assert type(decoded) is type(message)
+        as_lists = {"enc_hook": np.ndarray.tolist}
+        assert msgspec.to_builtins(decoded, **as_lists) == msgspec.to_builtins(message, **as_lists)
+    decoded = Decoder().decode([bytes(f) for f in Encoder().encode(generate)])
+    assert decoded.priority == -2 and decoded.prefix[1].finish_reason == "abort"
+    np.testing.assert_array_equal(decoded.prefix[1].token_ids, np.arange(6))
+    # Old senders omit them: a plain Generate, abort and GroupAborted decode as before.
+    plain = Decoder().decode(
+        Encoder().encode(protocol.GroupAborted(group_id=4, instance_id=1, reason="x"))
+    )
+    assert plain.partial is None
+
+
 def test_every_message_type_is_in_the_union() -> None:
     snapshot = Snapshot(
         run_name="r", time=1.0, seq=1, state="running", step=2, total_steps=3,

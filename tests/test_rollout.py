@@ -426,6 +426,43 @@ def test_abort_groups_ends_a_running_group(worker: WorkerHandle) -> None:
     assert worker.stub.heartbeat(lambda h: h.running_seqs == 0).state == "running"
 
 
+def test_a_group_aborted_with_its_partial_output_continues_where_it_stopped(
+    worker: WorkerHandle,
+) -> None:
+    """Migration: abort with ``partial``, resubmit the prompt with the partial output as
+    ``prefix``; the worker generates only the rest and returns the whole greedy output."""
+    worker.ensure()
+    whole = _done(worker, _generate(worker, 3, n=1, max_tokens=LONG, temperature=0.0).group_id)
+    (expected,) = whole.completions
+    running = _generate(worker, 3, n=1, max_tokens=LONG, temperature=0.0)
+    _wait_for_tokens(worker)
+    worker.stub.send(AbortGroups(group_ids=[running.group_id], partial=True))
+    aborted = worker.stub.recv(GroupAborted, 30, lambda m: m.group_id == running.group_id)
+    assert aborted.partial is not None
+    (partial,) = aborted.partial
+    k = len(partial.token_ids)
+    assert partial.finish_reason == "abort" and 0 < k < LONG
+    assert partial.token_ids.tolist() == expected.token_ids.tolist()[:k]
+    assert _ack(worker, "abort").ok
+    before = worker.stub.heartbeat(lambda h: h.running_seqs == 0).tokens_generated
+
+    resumed = _generate(worker, 3, n=1, max_tokens=LONG, temperature=0.0, prefix=[partial])
+    (completion,) = _done(worker, resumed.group_id).completions
+    assert worker.stub.heartbeat().tokens_generated - before == LONG - k
+    assert completion.token_ids.tolist() == expected.token_ids.tolist()
+    assert completion.finish_reason == "length"
+    np.testing.assert_array_equal(completion.logprobs[:k], partial.logprobs)
+    np.testing.assert_allclose(completion.logprobs, expected.logprobs, atol=1e-4)
+    assert completion.version_min == partial.version_min == worker.version
+    # A plain abort still reports no partial output.
+    plain = _generate(worker, 3, n=1, max_tokens=LONG, temperature=0.0)
+    _wait_for_tokens(worker)
+    worker.stub.send(AbortGroups(group_ids=[plain.group_id]))
+    aborted = worker.stub.recv(GroupAborted, 30, lambda m: m.group_id == plain.group_id)
+    assert aborted.partial is None
+    assert _ack(worker, "abort").ok
+
+
 def test_garbage_frames_are_counted_and_ignored(worker: WorkerHandle) -> None:
     worker.ensure()
     before = worker.stub.heartbeat().rejected_frames

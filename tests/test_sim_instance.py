@@ -19,6 +19,7 @@ from runtime.protocol import (
     Generate,
     GroupAborted,
     GroupDone,
+    PartialSample,
     PauseWorker,
     ResumeWorker,
     Shutdown,
@@ -45,21 +46,25 @@ def model(
     prompt_tokens: dict[int, int] | None = None,
     max_num_seqs: int = 16,
     cost: CostModel = FLAT,
+    policy: str = "fcfs",
     **kwargs: Any,
 ) -> InstanceModel:
     outputs = TableOutputs(lengths, prompt_tokens, **kwargs)
-    instance = InstanceModel(0, max_num_seqs, cost, outputs)
+    instance = InstanceModel(0, max_num_seqs, cost, outputs, scheduling_policy=policy)
     instance.start(0.0)
     return instance
 
 
-def generate(group_id: int, prompt_id: int, n: int, max_tokens: int = 100_000) -> Generate:
+def generate(
+    group_id: int, prompt_id: int, n: int, max_tokens: int = 100_000, **fields: Any
+) -> Generate:
     return Generate(
         group_id=group_id,
         prompt_id=prompt_id,
         prompt_token_ids=np.zeros(0, dtype=np.int32),
         n=n,
         max_tokens=max_tokens,
+        **fields,
     )
 
 
@@ -309,3 +314,102 @@ def test_edge_messages() -> None:
         instance.handle(generate(1, 5, 1), 0.0)
     instance.handle(Shutdown(reason="test"), 0.0)
     assert instance.closed
+
+
+def test_the_priority_policy_admits_the_lowest_priority_value_first_and_ties_in_order() -> None:
+    lengths = {0: [100], 1: [10], 2: [10], 3: [10]}
+    sent = {
+        0.0: generate(0, 0, 1),  # takes the only slot
+        0.1: generate(1, 1, 1, priority=5),
+        0.2: generate(2, 2, 1, priority=1),
+        0.3: generate(3, 3, 1, priority=1),
+    }
+    order = {}
+    for policy in ("priority", "fcfs"):
+        instance = model(lengths, max_num_seqs=1, policy=policy)
+        out = drive(instance, events=dict(sent))
+        order[policy] = [m.group_id for _, m in out if isinstance(m, GroupDone)]
+    assert order["priority"] == [0, 2, 3, 1]
+    assert order["fcfs"] == [0, 1, 2, 3]  # priorities ignored, as vLLM's fcfs
+    with pytest.raises(ValueError, match="scheduling_policy"):
+        model(lengths, policy="sjf")
+
+
+def _partial_of(out: list[tuple[float, Any]], group_id: int) -> list[PartialSample]:
+    (aborted,) = [m for _, m in out if isinstance(m, GroupAborted) and m.group_id == group_id]
+    assert aborted.partial is not None
+    return aborted.partial
+
+
+def test_a_migrated_group_continues_its_partial_output_on_another_instance() -> None:
+    table = {3: [20, 40, 500]}
+    whole = model(table, payload="random", reward=None)
+    whole.handle(generate(9, 3, 3, max_tokens=300), 0.0)
+    (uninterrupted,) = done(drive(whole)).values()
+
+    first = model(table, payload="random", reward=None)
+    first.handle(generate(9, 3, 3, max_tokens=300), 0.0)
+    out = drive(first, events={25.5 * A: AbortGroups(group_ids=[9], partial=True)})
+    assert not done(out) and first.running_seqs == 0
+    partial = _partial_of(out, 9)
+    assert [len(p.token_ids) for p in partial] == [20, 25, 25]
+    assert [p.finish_reason for p in partial] == ["stop", "abort", "abort"]
+    assert partial[0].finished_at == pytest.approx(20 * A)
+    for p, c in zip(partial, uninterrupted.completions, strict=True):
+        assert np.array_equal(p.token_ids, c.token_ids[: len(p.token_ids)])
+        assert np.array_equal(p.logprobs, c.logprobs[: len(p.logprobs)])
+
+    # Elsewhere, at weight version 2: only the rest is generated, and it is what the group
+    # would have generated had it never stopped (same group id, same payload).
+    second = model(table, {3: 1000}, payload="random", reward=None)
+    second.version = 2
+    second.handle(generate(9, 3, 3, max_tokens=300, prefix=partial), 0.0)
+    (group,) = done(drive(second)).values()
+    assert second.tokens_generated == (40 - 25) + (300 - 25)
+    completions = group.completions
+    assert [len(c.token_ids) for c in completions] == [20, 40, 300]
+    assert [c.finish_reason for c in completions] == ["stop", "stop", "length"]
+    for c, u in zip(completions, uninterrupted.completions, strict=True):
+        assert np.array_equal(c.token_ids, u.token_ids) and np.array_equal(c.logprobs, u.logprobs)
+    assert [(c.version_min, c.version_max) for c in completions] == [(0, 0), (0, 2), (0, 2)]
+    # The finished sample keeps its time; the others pay the prefill of prompt + prefixes.
+    stall = FLAT.prefill_s(1000 + 25 + 25)
+    assert [c.finished_at for c in completions] == pytest.approx(
+        [20 * A, stall + 15 * A, stall + 275 * A]
+    )
+
+
+def test_partial_outputs_of_queued_groups_and_prefixes_with_nothing_left() -> None:
+    instance = model({0: [100], 1: [10, 10]}, max_num_seqs=1, payload="random", reward=None)
+    instance.handle(generate(0, 0, 1), 0.0)
+    instance.handle(generate(1, 1, 2, priority=3), 0.0)
+    out = drive(instance, events={5 * A: AbortGroups(group_ids=[1], partial=True)})
+    queued = _partial_of(out, 1)
+    assert [len(p.token_ids) for p in queued] == [0, 0]
+    assert [p.finish_reason for p in queued] == ["abort", "abort"]
+    assert [m.group_id for _, m in out if isinstance(m, GroupDone)] == [0]
+
+    # Every sample complete, or with no max_tokens left: done at once, nothing generated.
+    ids, lp = np.arange(4, 9, dtype=np.int32), np.full(5, -0.5, dtype=np.float32)
+    full = [
+        PartialSample(token_ids=ids, logprobs=lp, version_min=1, version_max=1,
+                      finish_reason="stop", finished_at=7.0),
+        PartialSample(token_ids=ids, logprobs=lp, version_min=1, version_max=2),
+    ]  # fmt: skip
+    before = instance.tokens_generated
+    instance.handle(generate(2, 1, 2, max_tokens=5, prefix=full), 1.0)
+    (group,) = done([(1.0, m) for m in instance.take_output()]).values()
+    assert instance.tokens_generated == before
+    assert [c.finish_reason for c in group.completions] == ["stop", "length"]
+    assert [(c.version_min, c.version_max) for c in group.completions] == [(1, 1), (1, 2)]
+    assert all(np.array_equal(c.token_ids, ids) for c in group.completions)
+
+    # A prefix list that does not fit the group is refused, as the worker's engine does.
+    instance.handle(generate(3, 1, 2, prefix=full[:1]), 1.0)
+    (refused,) = instance.take_output()
+    assert isinstance(refused, GroupAborted) and "1 prefixes for a group of n = 2" in refused.reason
+    # A plain abort reports no partial output.
+    instance.handle(generate(4, 1, 2), 1.0)
+    instance.handle(AbortGroups(group_ids=[4]), 1.0)
+    aborted = [m for m in instance.take_output() if isinstance(m, GroupAborted)]
+    assert [(m.group_id, m.partial) for m in aborted] == [(4, None)]

@@ -52,6 +52,10 @@ class Dispatcher:
         self.continuous = config.scheduler.dispatch == "continuous"
         self.first_dispatch_at: float | None = None
         self._rr = 0
+        self._migrating: dict[int, tuple[int, int | None]] = {}
+        """Groups asked to move (``migrate``): id -> (target instance, priority there)."""
+        self.migrated = 0
+        """Groups moved to another instance with their partial output, so far."""
 
     # --- dispatch -----------------------------------------------------------------------------
     def dispatch(self) -> None:
@@ -149,22 +153,92 @@ class Dispatcher:
         self.ledger.dispatched(
             gid, prompt=prompt_id, epoch=epoch, instance=inst.instance_id, version=version
         )
-        sampling = self.config.rollout.sampling
-        self.outbox.to_instance(
-            inst.instance_id,
-            P.Generate(
-                group_id=gid,
-                prompt_id=prompt_id,
-                prompt_token_ids=self.work.prompt_tokens[prompt_id],
-                n=self.n,
-                max_tokens=sampling.max_tokens,
-                seed=None if sampling.seed is None else sampling.seed + gid,
-            ),
-        )
+        self.outbox.to_instance(inst.instance_id, self._generate(gid, prompt_id))
         inst.running_seqs = min(inst.max_num_seqs, inst.running_seqs + self.n)
+
+    def _generate(
+        self,
+        gid: int,
+        prompt_id: int,
+        priority: int | None = None,
+        prefix: list[P.PartialSample] | None = None,
+    ) -> P.Generate:
+        """The ``Generate`` of group ``gid`` (the same seed wherever and however often it is
+        sent); ``priority`` None: the scheduler's."""
+        sampling = self.config.rollout.sampling
+        return P.Generate(
+            group_id=gid,
+            prompt_id=prompt_id,
+            prompt_token_ids=self.work.prompt_tokens[prompt_id],
+            n=self.n,
+            max_tokens=sampling.max_tokens,
+            seed=None if sampling.seed is None else sampling.seed + gid,
+            priority=self.work.scheduler.priority(prompt_id) if priority is None else priority,
+            prefix=prefix,
+        )
+
+    # --- migration ----------------------------------------------------------------------------
+    def migrate(self, gid: int, to: int, priority: int | None = None) -> bool:
+        """Move in-flight group ``gid`` to instance ``to`` without losing its work: it is
+        aborted where it runs with ``partial`` output, and when that comes back
+        (``on_group_aborted``) the prompt plus each sample's partial output is sent to ``to``,
+        which generates only the rest (same group id, record and start version). ``priority``:
+        its engine priority there (None: the scheduler's). The target's free slots are the
+        caller's concern (a tail lane may be reserved). False (nothing sent) when the group is
+        not in flight, is being aborted or moved already, or ``to`` is not a running instance
+        other than its own. Should the group finish first, its result is taken as usual; should
+        ``to`` be gone by the time the partial output arrives, the group is re-queued."""
+        target = self.instances.get(to)
+        if gid in self._migrating or not self._can_take(target):
+            return False
+        for inst in self.instances.values():
+            record = inst.in_flight.get(gid)
+            if record is None or record.aborting or inst.instance_id == to:
+                continue
+            self._migrating[gid] = (to, priority)
+            self.outbox.to_instance(inst.instance_id, P.AbortGroups(group_ids=[gid], partial=True))
+            return True
+        return False
+
+    @staticmethod
+    def _can_take(inst: Instance | None) -> bool:
+        return inst is not None and inst.state == RUNNING and not inst.operator_paused
+
+    def _resume_elsewhere(
+        self,
+        source: Instance,
+        record: GroupRecord,
+        msg: P.GroupAborted,
+        to: int,
+        priority: int | None,
+    ) -> bool:
+        """The second half of ``migrate``: ``msg`` brought the partial output from ``source``."""
+        target = self.instances.get(to)
+        if msg.partial is None or not self._can_take(target):
+            return False
+        assert target is not None
+        gid = record.group_id
+        record.instance_id = to
+        target.in_flight[gid] = record
+        carried = sum(len(p.token_ids) for p in msg.partial)
+        self.ledger.migrated(gid, instance=source.instance_id, to=to, tokens=carried)
+        self.outbox.to_instance(to, self._generate(gid, record.prompt_id, priority, msg.partial))
+        target.running_seqs = min(target.max_num_seqs, target.running_seqs + self.n)
+        self.migrated += 1
+        self.outbox.publish(
+            P.EventKind.MIGRATE,
+            f"group {gid} moved from instance {source.instance_id} to {to} "
+            f"with {carried} token(s) generated",
+            group=gid,
+            instance=source.instance_id,
+            to=to,
+            tokens=carried,
+        )
+        return True
 
     # --- results ------------------------------------------------------------------------------
     def on_group_done(self, inst: Instance, msg: P.GroupDone) -> None:
+        self._migrating.pop(msg.group_id, None)  # finished before the move: taken as it is
         record = inst.in_flight.pop(msg.group_id, None)
         if record is None or record.aborting:
             self.ledger.ignored(msg.group_id, reason="result of a group no longer in flight")
@@ -198,9 +272,12 @@ class Dispatcher:
             )
 
     def on_group_aborted(self, inst: Instance, msg: P.GroupAborted) -> None:
+        move = self._migrating.pop(msg.group_id, None)
         record = inst.in_flight.pop(msg.group_id, None)
         if record is None or record.aborting:
             return  # an abort we asked for, now confirmed (ledgered when we asked)
+        if move is not None and self._resume_elsewhere(inst, record, msg, *move):
+            return
         self.governor.cancel(msg.group_id, ABORTED)
         self.ledger.aborted(msg.group_id, reason=f"worker: {msg.reason}")
         self.work.give_back(record.prompt_id, record.epoch)
@@ -209,6 +286,7 @@ class Dispatcher:
         """A reward function failed on a group: stop the run, or drop the group and count it
         (``task.on_reward_error``). The group is never scored in its place, nor handed out
         again this epoch: the same prompt would fail the same way."""
+        self._migrating.pop(msg.group_id, None)
         record = inst.in_flight.pop(msg.group_id, None)
         if record is None or record.aborting:
             self.ledger.ignored(msg.group_id, reason="result of a group no longer in flight")
@@ -277,6 +355,8 @@ class Dispatcher:
         """Every group out on ``inst`` is gone: back to the scheduler, dispatched elsewhere."""
         lost = list(inst.in_flight.values())
         inst.in_flight.clear()
+        for record in lost:
+            self._migrating.pop(record.group_id, None)
         inst.running_seqs = 0
         for record in lost:
             if record.aborting:

@@ -3,10 +3,11 @@
 Every dispatched group id appears once as ``dispatched`` and then moves through
 ``completed`` → ``consumed`` | ``discarded``, or ends ``requeued`` (its instance was lost) or
 ``aborted`` (stopped for the lag bound) while in flight, or ends ``skipped`` (a reward function
-failed on it; its prompt is not handed out again this epoch). A result that arrives for a group that
-has already ended is logged as ``ignored``. ``controller_start`` marks a (re)start: groups left
-open by a previous controller are ``abandoned`` (their prompts were never consumed, so the
-resumed epoch schedules them again).
+failed on it; its prompt is not handed out again this epoch). While in flight it may be
+``migrated`` (moved to another instance with its partial output) any number of times. A result
+that arrives for a group that has already ended is logged as ``ignored``. ``controller_start``
+marks a (re)start: groups left open by a previous controller are ``abandoned`` (their prompts
+were never consumed, so the resumed epoch schedules them again).
 
 :func:`verify_ledger` replays the file and proves that no group was consumed twice, no transition
 is impossible, and no prompt was consumed twice within one epoch.
@@ -25,6 +26,7 @@ from runtime.rundir import JsonlWriter, read_jsonl
 # state -> the events allowed from it
 _TRANSITIONS: dict[str, dict[str, str]] = {
     "in_flight": {
+        "migrated": "in_flight",
         "completed": "completed",
         "requeued": "requeued",
         "aborted": "aborted",
@@ -96,6 +98,10 @@ class Ledger:
 
     def skipped(self, group: int, *, reason: str) -> None:
         self._write("skipped", group=group, reason=reason, requeue=False)
+
+    def migrated(self, group: int, *, instance: int, to: int, tokens: int) -> None:
+        """Moved, still in flight, from ``instance`` to ``to`` with ``tokens`` generated."""
+        self._write("migrated", group=group, instance=instance, to=to, tokens=tokens)
 
     def ignored(self, group: int, *, reason: str) -> None:
         self._write("ignored", group=group, reason=reason)

@@ -29,7 +29,7 @@ import os
 import time
 from abc import ABC, abstractmethod
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 import numpy as np
@@ -68,6 +68,9 @@ class EngineSpec:
     """``inproc`` (``LLMEngine`` in the worker process) or ``async`` (``AsyncLLM``)."""
     prefix_caching: bool = True
     """Off for ``inflight`` weight updates, which keep KV computed by older weights."""
+    scheduling_policy: str = "fcfs"
+    """vLLM's waiting queue: ``fcfs``, or ``priority`` (a request's ``priority``, lowest
+    first)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,6 +184,7 @@ def _engine_args(spec: EngineSpec) -> dict[str, Any]:
         "logprobs_mode": "processed_logprobs",
         "disable_log_stats": True,
         "enable_prefix_caching": spec.prefix_caching,
+        "scheduling_policy": spec.scheduling_policy,
     }
 
 
@@ -212,13 +216,15 @@ class RolloutEngine(ABC):
         self.weight_version = 0
         self.tokens_generated = 0
         self._streams: dict[str, _Stream] = {}
+        self._children: dict[str, list[str]] = {}
+        """A continued group's per-sample requests (see ``generate``), by the group's id."""
         self._paused = False
 
     # --- what each engine provides -------------------------------------------------------------
 
     @abstractmethod
     def _outputs(
-        self, request_id: str, prompt: dict[str, Any], params: SamplingParams
+        self, request_id: str, prompt: dict[str, Any], params: SamplingParams, priority: int
     ) -> AsyncIterator[Any]:
         """The request's cumulative ``RequestOutput`` updates, until it finishes or is aborted."""
 
@@ -264,13 +270,59 @@ class RolloutEngine(ABC):
     # --- generation --------------------------------------------------------------------------
 
     async def generate(
-        self, request_id: str, prompt_token_ids: Sequence[int], sampling: SamplingSpec
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingSpec,
+        *,
+        priority: int = 0,
+        prefixes: Sequence[GeneratedSample] | None = None,
     ) -> list[GeneratedSample]:
         """Generate one group and return its ``n`` samples, in index order.
 
         An aborted request (``abort``, or ``pause("abort")``) still returns: its samples carry
-        the tokens made so far and ``finish_reason == "abort"``.
+        the tokens made so far and ``finish_reason == "abort"``. ``priority``: lower is
+        scheduled sooner, under ``EngineSpec.scheduling_policy == "priority"``.
+
+        ``prefixes`` (one per sample) continue a group that was aborted elsewhere: each
+        unfinished sample is its own request, prompt + its tokens, for the ``max_tokens`` it has
+        left; a finished one (``finish_reason`` not ``abort``) is returned as it is. Samples
+        come back whole: the prefix's tokens, log-probs and ``version_min``, then the new ones.
         """
+        if prefixes is None:
+            return await self._generate(request_id, prompt_token_ids, sampling, priority)
+        if len(prefixes) != sampling.n:
+            raise ValueError(f"{len(prefixes)} prefixes for a group of n = {sampling.n}")
+        requests: dict[int, tuple[str, list[int], SamplingSpec]] = {}
+        for k, prefix in enumerate(prefixes):
+            left = sampling.max_tokens - len(prefix.token_ids)
+            if prefix.finish_reason == "abort" and left > 0:
+                seed = None if sampling.seed is None else sampling.seed + k
+                requests[k] = (
+                    f"{request_id}.{k}",
+                    [*map(int, prompt_token_ids), *map(int, prefix.token_ids)],
+                    replace(sampling, n=1, max_tokens=left, seed=seed),
+                )
+        self._children[request_id] = [rid for rid, _, _ in requests.values()]
+        try:
+            results = await asyncio.gather(
+                *(self._generate(rid, ids, spec, priority) for rid, ids, spec in requests.values())
+            )
+        finally:
+            del self._children[request_id]
+        continued = dict(zip(requests, results, strict=True))
+        return [
+            _continue(prefix, continued[k][0]) if k in continued else _finished(prefix)
+            for k, prefix in enumerate(prefixes)
+        ]
+
+    async def _generate(
+        self,
+        request_id: str,
+        prompt_token_ids: Sequence[int],
+        sampling: SamplingSpec,
+        priority: int,
+    ) -> list[GeneratedSample]:
         # CUMULATIVE: each update carries the child's growing token list by reference, so
         # progress (tokens, per-sample finish time) costs a len() per step.
         params = _sampling_params(sampling, RequestOutputKind.CUMULATIVE)
@@ -279,7 +331,7 @@ class RolloutEngine(ABC):
         stream = _Stream(sampling.n)
         self._streams[request_id] = stream
         try:
-            async for output in self._outputs(request_id, prompt, params):
+            async for output in self._outputs(request_id, prompt, params, priority):
                 now = time.time()
                 for completion in output.outputs:
                     index = completion.index
@@ -300,7 +352,12 @@ class RolloutEngine(ABC):
 
     async def abort(self, request_ids: Iterable[str]) -> None:
         """Abort requests; their ``generate`` calls return with ``finish_reason == "abort"``."""
-        ids = [rid for rid in request_ids if rid in self._streams]
+        ids = [
+            rid
+            for group in request_ids
+            for rid in self._children.get(group, [group])
+            if rid in self._streams
+        ]
         if ids:
             await self._abort(ids)
 
@@ -369,9 +426,9 @@ class AsyncEngine(RolloutEngine):
         return cls(AsyncLLM.from_engine_args(args), spec)
 
     def _outputs(
-        self, request_id: str, prompt: dict[str, Any], params: SamplingParams
+        self, request_id: str, prompt: dict[str, Any], params: SamplingParams, priority: int
     ) -> AsyncIterator[Any]:
-        return self._llm.generate(prompt, params, request_id=request_id)
+        return self._llm.generate(prompt, params, request_id=request_id, priority=priority)
 
     async def _abort(self, request_ids: list[str]) -> None:
         await self._llm.abort(request_ids)
@@ -416,7 +473,7 @@ class InprocEngine(RolloutEngine):
         super().__init__(spec)
         self._llm = llm
         self._queues: dict[str, asyncio.Queue[Any]] = {}
-        self._held: dict[str, tuple[dict[str, Any], SamplingParams]] = {}
+        self._held: dict[str, tuple[dict[str, Any], SamplingParams, int]] = {}
         """Requests submitted while paused, in arrival order, added to vLLM on resume."""
         self._accepting = True
         self._stepping = True
@@ -463,13 +520,15 @@ class InprocEngine(RolloutEngine):
                 queue.put_nowait(_FINISHED)
             self._drained.set()
 
-    def _add(self, request_id: str, prompt: dict[str, Any], params: SamplingParams) -> None:
-        self._llm.add_request(request_id, prompt, params)
+    def _add(
+        self, request_id: str, prompt: dict[str, Any], params: SamplingParams, priority: int
+    ) -> None:
+        self._llm.add_request(request_id, prompt, params, priority=priority)
         self._drained.clear()  # a "wait" pause from now on waits for this one too
         self._work.set()
 
     async def _outputs(
-        self, request_id: str, prompt: dict[str, Any], params: SamplingParams
+        self, request_id: str, prompt: dict[str, Any], params: SamplingParams, priority: int
     ) -> AsyncIterator[Any]:
         if self._failure is not None:
             raise RuntimeError(f"the vLLM engine failed: {self._failure}")
@@ -477,9 +536,9 @@ class InprocEngine(RolloutEngine):
         self._queues[request_id] = queue
         try:
             if self._accepting:
-                self._add(request_id, prompt, params)
+                self._add(request_id, prompt, params, priority)
             else:
-                self._held[request_id] = (prompt, params)
+                self._held[request_id] = (prompt, params, priority)
             while (output := await queue.get()) is not _FINISHED:
                 yield output
         finally:
@@ -509,8 +568,8 @@ class InprocEngine(RolloutEngine):
     async def _resume(self) -> None:
         self._accepting = self._stepping = True
         held, self._held = self._held, {}
-        for request_id, (prompt, params) in held.items():
-            self._add(request_id, prompt, params)
+        for request_id, (prompt, params, priority) in held.items():
+            self._add(request_id, prompt, params, priority)
         self._work.set()
 
     async def _reset_prefix_cache(self) -> bool:
@@ -575,6 +634,26 @@ def _to_sample(
         low, high = start_version, end_version if len(token_ids) else start_version
     reason = completion.finish_reason or "abort"
     return GeneratedSample(token_ids, logprobs, str(reason), low, high, finished_at)
+
+
+def _finished(prefix: GeneratedSample) -> GeneratedSample:
+    """A prefix that needs nothing more: complete, or with no ``max_tokens`` left."""
+    reason = prefix.finish_reason if prefix.finish_reason != "abort" else "length"
+    return replace(prefix, finish_reason=reason)
+
+
+def _continue(prefix: GeneratedSample, more: GeneratedSample) -> GeneratedSample:
+    """``prefix`` followed by what its continuation generated."""
+    if not len(prefix.token_ids):
+        return more
+    return GeneratedSample(
+        token_ids=np.concatenate([prefix.token_ids, more.token_ids]).astype(np.int32),
+        logprobs=np.concatenate([prefix.logprobs, more.logprobs]).astype(np.float32),
+        finish_reason=more.finish_reason,
+        version_min=prefix.version_min,
+        version_max=more.version_max if len(more.token_ids) else prefix.version_max,
+        finished_at=more.finished_at,
+    )
 
 
 def _sampled_logprobs(logprobs: Any, token_ids: Sequence[int]) -> np.ndarray:

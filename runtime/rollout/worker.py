@@ -13,7 +13,10 @@ starts the engine on weight version 0 and says ``WorkerHello``. Then it heartbea
 - ``UpdateWeights(version, path, mode, rendezvous)``: in place, ``boundary`` or ``keep`` (see
   ``RolloutEngine.update_weights``), from the file or, with a rendezvous, from the trainer's
   broadcast (``runtime/collective.py``). Generates that arrive meanwhile wait behind it.
-- ``AbortGroups``: ends those groups with ``GroupAborted``. ``Shutdown``: clean exit.
+- ``AbortGroups``: ends those groups with ``GroupAborted``; with ``partial`` the message
+  carries each sample's output so far, which a ``Generate`` with ``prefix`` continues (on this
+  or another instance). ``Shutdown``: clean exit.
+- ``Generate.priority`` reaches vLLM (heeded under ``rollout.scheduling_policy: priority``).
 
 Control requests run one at a time, in arrival order, and each ends with a ``WorkerAck``.
 Garbage frames are logged and counted (``Heartbeat.rejected_frames``); the worker keeps running.
@@ -33,6 +36,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import zmq
 import zmq.asyncio
 
@@ -49,6 +53,7 @@ from runtime.protocol import (
     GroupDone,
     GroupFailed,
     Heartbeat,
+    PartialSample,
     PauseWorker,
     ResumeWorker,
     Shutdown,
@@ -121,7 +126,8 @@ class RolloutWorker:
         self._encoder = Encoder()
         self._groups: dict[int, asyncio.Task[None]] = {}
         self._request_ids: dict[int, str] = {}
-        self._aborting: set[int] = set()
+        self._aborting: dict[int, bool] = {}
+        """Groups being aborted -> whether their ``GroupAborted`` carries the partial output."""
         self._held: list[Generate] = []
         self._updates_pending = 0
         self._control = asyncio.Lock()  # FIFO: control requests apply in arrival order
@@ -311,9 +317,10 @@ class RolloutWorker:
                 held = next((g for g in self._held if g.group_id == group_id), None)
                 if held is not None:
                     self._held.remove(held)
-                    await self._send_aborted(group_id, "aborted before it started")
+                    partial = _unstarted(held) if message.partial else None
+                    await self._send_aborted(group_id, "aborted before it started", partial)
                 elif group_id in self._request_ids:
-                    self._aborting.add(group_id)
+                    self._aborting[group_id] = message.partial
                     await self.engine.abort([self._request_ids[group_id]])
                 else:
                     unknown.append(group_id)
@@ -351,11 +358,16 @@ class RolloutWorker:
         started_at = time.time()
         try:
             samples = await self.engine.generate(
-                request_id, message.prompt_token_ids.tolist(), self._sampling(message)
+                request_id,
+                message.prompt_token_ids.tolist(),
+                self._sampling(message),
+                priority=message.priority,
+                prefixes=_prefixes(message),
             )
             if group_id in self._aborting or any(s.finish_reason == "abort" for s in samples):
                 reason = "aborted" if group_id in self._aborting else "aborted by a pause"
-                await self._send_aborted(group_id, reason)
+                partial = [_partial(s) for s in samples] if self._aborting.get(group_id) else None
+                await self._send_aborted(group_id, reason, partial)
                 return
             try:
                 scores = await self.reward(
@@ -408,12 +420,61 @@ class RolloutWorker:
         finally:
             self._groups.pop(group_id, None)
             self._request_ids.pop(group_id, None)
-            self._aborting.discard(group_id)
+            self._aborting.pop(group_id, None)
 
-    async def _send_aborted(self, group_id: int, reason: str) -> None:
+    async def _send_aborted(
+        self, group_id: int, reason: str, partial: list[PartialSample] | None = None
+    ) -> None:
         await self._send(
-            GroupAborted(group_id=group_id, instance_id=self.instance_id, reason=reason)
+            GroupAborted(
+                group_id=group_id, instance_id=self.instance_id, reason=reason, partial=partial
+            )
         )
+
+
+def _prefixes(message: Generate) -> list[Any] | None:
+    """``Generate.prefix`` as the engine's samples (None: a fresh group)."""
+    if message.prefix is None:
+        return None
+    from runtime.rollout.engine import GeneratedSample
+
+    return [
+        GeneratedSample(
+            token_ids=np.asarray(p.token_ids, dtype=np.int32),
+            logprobs=np.asarray(p.logprobs, dtype=np.float32),
+            finish_reason=p.finish_reason,
+            version_min=p.version_min,
+            version_max=p.version_max,
+            finished_at=p.finished_at,
+        )
+        for p in message.prefix
+    ]
+
+
+def _partial(sample: Any) -> PartialSample:
+    """An engine sample (maybe cut by an abort) as the partial output a ``GroupAborted``
+    reports."""
+    return PartialSample(
+        token_ids=sample.token_ids,
+        logprobs=sample.logprobs,
+        version_min=sample.version_min,
+        version_max=sample.version_max,
+        finish_reason=sample.finish_reason,
+        finished_at=sample.finished_at if sample.finish_reason != "abort" else 0.0,
+    )
+
+
+def _unstarted(message: Generate) -> list[PartialSample]:
+    """The partial output of a group aborted before it started: its prefix, or nothing."""
+    if message.prefix is not None:
+        return list(message.prefix)
+    empty = PartialSample(
+        token_ids=np.zeros(0, np.int32),
+        logprobs=np.zeros(0, np.float32),
+        version_min=0,
+        version_max=0,
+    )
+    return [empty] * message.n
 
 
 # --- process entry ---------------------------------------------------------------------------
@@ -466,6 +527,7 @@ async def serve(run_dir: Path, instance_id: int) -> int:
                 tensor_parallel_size=instance.tensor_parallel_size,
                 engine=resolve_engine_kind(config.rollout.engine, instance.tensor_parallel_size),
                 prefix_caching=config.async_.update_mode != "inflight",
+                scheduling_policy=config.rollout.scheduling_policy,
             )
         )
         log.info(

@@ -81,6 +81,11 @@ class Scheduler(abc.ABC):
         """Groups planned for ``instance_id`` and not yet handed out (for bubble attribution)."""
         return 0
 
+    def priority(self, prompt_id: int) -> int:
+        """The engine priority of ``prompt_id``'s group when it is dispatched now: lower runs
+        sooner (``Generate.priority``; heeded under ``rollout.scheduling_policy: priority``)."""
+        return 0
+
 
 @dataclass(frozen=True)
 class Predictions:

@@ -70,6 +70,8 @@ class SimSettings:
     task: SimTask
     clock_offset: float
     """``time.time() - loop.time()``: loop (monotonic) seconds -> wall timestamps."""
+    scheduling_policy: str = "fcfs"
+    """``rollout.scheduling_policy``: how the instances' waiting queues order requests."""
 
 
 class SimInstance:
@@ -102,6 +104,7 @@ class SimInstance:
             TraceOutputs(settings.task),
             stamp=self._wall,
             check_weights=check_weights,
+            scheduling_policy=settings.scheduling_policy,
         )
         self._closed = False
         self._inbox: deque[object] = deque()
@@ -274,6 +277,7 @@ async def serve(config: Config, run_dir: RunDir, instance_ids: list[int]) -> int
         heartbeat_s=config.rollout.heartbeat_s,
         task=SimTask.from_config(config),
         clock_offset=time.time() - loop.time(),
+        scheduling_policy=config.rollout.scheduling_policy,
     )
     log.info(
         "sim backend pid %d: instances %s, trace %s (%d prompts), time_scale %.3g",

@@ -281,6 +281,9 @@ class _Renumbered(Scheduler):
     def pending(self, instance_id: int) -> int:
         return self.inner.pending(self.ids[instance_id])
 
+    def priority(self, prompt_id: int) -> int:
+        return self.inner.priority(prompt_id)
+
 
 class _Clock:
     """The simulated clock the core reads."""
@@ -325,6 +328,7 @@ class SimRun:
         batch_groups: int,
         lag_bound: int,
         dispatch: str,
+        scheduling_policy: str = "fcfs",
     ) -> None:
         self.groups = groups
         self.instances = instances
@@ -336,7 +340,9 @@ class SimRun:
         self.prompt_tokens = [prompt_tokens[g.prompt_id] for g in groups]
         self.clock = _Clock()
         self.lags = _ConsumedLags()
-        config = _sim_config(instances, self.n, batch_groups, len(groups), lag_bound, dispatch)
+        config = _sim_config(
+            instances, self.n, batch_groups, len(groups), lag_bound, dispatch, scheduling_policy
+        )
         task = _sim_task(groups, prompt_tokens)
         self.core = ControllerCore(
             config,
@@ -353,7 +359,9 @@ class SimRun:
         if ids != list(range(len(ids))):
             scheduler = _Renumbered(scheduler, ids)
         self.models = {
-            k: InstanceModel(k, spec.max_num_seqs, cost, outputs)
+            k: InstanceModel(
+                k, spec.max_num_seqs, cost, outputs, scheduling_policy=scheduling_policy
+            )
             for k, spec in enumerate(instances)
         }
         self.trainer = TrainerModel(cost, config.trainer.loss)
@@ -507,6 +515,7 @@ def _sim_config(
     groups: int,
     lag_bound: int,
     dispatch: str,
+    scheduling_policy: str = "fcfs",
 ) -> Config:
     """The run config a simulated run stands for: its instances, B, η, dispatch; weights
     loaded in ``keep`` mode (in-flight samples freeze for ``weight_sync_s``), no output cap."""
@@ -519,6 +528,7 @@ def _sim_config(
                 "backend": "sim",
                 "instances": [{"max_num_seqs": s.max_num_seqs} for s in instances],
                 "sampling": {"n": n, "max_tokens": 1 << 30},
+                "scheduling_policy": scheduling_policy,
             },
             "scheduler": {"dispatch": dispatch},
             "trainer": {

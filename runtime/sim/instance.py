@@ -20,8 +20,10 @@ How it simulates vLLM (no model runs):
   backend), :class:`TableOutputs` a table of lengths per prompt (the simulator). Lengths are
   capped at ``max_tokens`` (``finish_reason`` "length" when cut) and are at least 1.
 - **Time.** Continuous batching with ``max_num_seqs`` slots: queued sequences take free slots
-  in arrival order; a group's first admission stalls the batch for ``prefill_s(prompt)`` (vLLM
-  prefills the shared prompt once for its ``n`` samples); every decode step advances each
+  in arrival order, or under ``scheduling_policy="priority"`` lowest ``Generate.priority``
+  first (arrival order among equals), as vLLM's waiting queue; a group's first admission
+  stalls the batch for ``prefill_s(prompt)`` (vLLM prefills the shared prompt once for its
+  ``n`` samples); every decode step advances each
   running sequence by one token and lasts ``CostModel.decode_step_s(running, context)``.
   Nothing ticks per token: while the running set is fixed, the time to the next finish is one
   closed-form sum (``decode_steps_s``); when a message arrives mid-way, a binary search finds
@@ -33,6 +35,12 @@ How it simulates vLLM (no model runs):
   backend checks the file; the simulator has none and accepts every version).
 - **Pause.** ``keep`` freezes in-flight sequences until ``ResumeWorker``; ``wait`` stops
   admitting and pauses once the running ones finish; ``abort`` aborts every group first.
+- **Migration.** ``AbortGroups(partial=True)`` reports each sample's output so far in
+  ``GroupAborted.partial``; a ``Generate`` with that as ``prefix`` continues each unfinished
+  sample for the length it has left (its content the same as had it never stopped, given the
+  same group id, seed and max_tokens), returns finished ones as they are, and stalls for the
+  prefill of prompt plus prefixes (an approximation: vLLM shares the prompt's KV, not the
+  prefixes').
 """
 
 from __future__ import annotations
@@ -42,7 +50,7 @@ import logging
 import math
 from collections import deque
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import numpy as np
@@ -54,6 +62,7 @@ from runtime.protocol import (
     GroupAborted,
     GroupDone,
     Heartbeat,
+    PartialSample,
     PauseWorker,
     ResumeWorker,
     Shutdown,
@@ -228,6 +237,59 @@ class TableOutputs(Outputs):
 # --- the model ----------------------------------------------------------------------------------
 
 
+def _sequences(group: _Group) -> list[_Seq]:
+    """A group's sequences: fresh, or continuing ``Generate.prefix`` (a finished prefix, or one
+    with no ``max_tokens`` left, is a finished sequence that generates nothing here)."""
+    request, shape = group.request, group.shape
+    if request.prefix is None:
+        return [
+            _Seq(group, j, length, truncated)
+            for j, (length, truncated) in enumerate(
+                zip(shape.lengths, shape.truncated, strict=True)
+            )
+        ]
+    seqs = []
+    for j, (full, truncated, prefix) in enumerate(
+        zip(shape.lengths, shape.truncated, request.prefix, strict=True)
+    ):
+        carried = len(prefix.token_ids)
+        left = request.max_tokens - carried
+        seq = _Seq(group, j, 0, prefix.finish_reason == "length", carried)
+        seq.version_min = seq.version_max = prefix.version_min
+        if prefix.finish_reason != "abort" or left <= 0:
+            seq.finished, seq.finished_at = True, prefix.finished_at
+            seq.truncated = seq.truncated or prefix.finish_reason == "abort"
+            seq.version_max = prefix.version_max
+        elif full > carried:
+            seq.length, seq.truncated = full - carried, truncated
+        else:  # the trace wants no more than it has: one token, then it stops (or is cut)
+            seq.length, seq.truncated = 1, left == 1
+        seqs.append(seq)
+    return seqs
+
+
+def _finish_reason(seq: _Seq) -> str:
+    if seq.finished and seq.length == 0 and seq.group.request.prefix is not None:
+        reason = seq.group.request.prefix[seq.index].finish_reason
+        return reason if reason != "abort" else "length"
+    return "length" if seq.truncated else "stop"
+
+
+def _contents(outputs: Outputs, group: _Group) -> tuple[list[np.ndarray], list[np.ndarray]]:
+    """Per sample, the whole completion's token ids and log-probs (the prefix's first)."""
+    lengths = [seq.carried + seq.length for seq in group.seqs]
+    shape = group.shape if group.request.prefix is None else replace(group.shape, lengths=lengths)
+    ids, logprobs = outputs.tokens(shape, group.request.group_id)
+    if group.request.prefix is None:
+        return ids, logprobs
+    for j, prefix in enumerate(group.request.prefix):
+        if len(prefix.token_ids):
+            tail = slice(len(prefix.token_ids), None)
+            ids[j] = np.concatenate([prefix.token_ids, ids[j][tail]]).astype(np.int32)
+            logprobs[j] = np.concatenate([prefix.logprobs, logprobs[j][tail]]).astype(np.float32)
+    return ids, logprobs
+
+
 @dataclass(eq=False, slots=True)
 class _Group:
     request: Generate
@@ -242,13 +304,45 @@ class _Seq:
     group: _Group
     index: int
     length: int
+    """Tokens to generate here (after ``carried``)."""
     truncated: bool
+    carried: int = 0
+    """Tokens generated elsewhere before a migration (``Generate.prefix``)."""
     start_step: int = -1
     version_min: int = 0
     version_max: int = 0
     finished_at: float = 0.0
     finished: bool = False
     aborted: bool = False
+
+
+def _partial(group: _Group, outputs: Outputs, step: int, version: int) -> list[PartialSample]:
+    """Each sample's output so far (prefix included), as ``GroupAborted.partial``, at decode
+    step ``step`` of an instance at weight ``version``."""
+    ids, logprobs = _contents(outputs, group)
+    out = []
+    for seq, token_ids, lp in zip(group.seqs, ids, logprobs, strict=True):
+        if seq.finished:
+            made, reason = seq.length, _finish_reason(seq)
+        else:
+            made, reason = (step - seq.start_step if seq.start_step >= 0 else 0), "abort"
+        low = seq.version_min if made or seq.carried else version
+        if made:
+            high = seq.version_max if seq.finished else version
+        else:  # nothing generated here: the prefix's span, if any
+            prefix = group.request.prefix[seq.index] if seq.carried else None
+            high = prefix.version_max if prefix is not None else low
+        out.append(
+            PartialSample(
+                token_ids=token_ids[: seq.carried + made],
+                logprobs=lp[: seq.carried + made],
+                version_min=low,
+                version_max=high,
+                finish_reason=reason,
+                finished_at=seq.finished_at if seq.finished else 0.0,
+            )
+        )
+    return out
 
 
 def _same(now: float) -> float:
@@ -267,7 +361,10 @@ class InstanceModel:
         *,
         stamp: Callable[[float], float] = _same,
         check_weights: Callable[[int, str], str] | None = None,
+        scheduling_policy: str = "fcfs",
     ) -> None:
+        if scheduling_policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling_policy: {scheduling_policy!r} is not fcfs or priority")
         self.instance_id = instance_id
         self.max_num_seqs = max_num_seqs
         self.cost = cost
@@ -291,7 +388,10 @@ class InstanceModel:
         self._prompt_sum = 0
         self._start_sum = 0
         self._tokens_done = 0
-        self._waiting: deque[_Seq] = deque()
+        self._by_priority = scheduling_policy == "priority"
+        self._waiting: list[tuple[int, int, _Seq]] = []
+        """Queued sequences, a heap by (priority under ``priority``, else 0; arrival)."""
+        self._arrivals = 0
         self._groups: dict[int, _Group] = {}
         self._stall_s = 0.0
         self._carry_s = 0.0
@@ -469,26 +569,28 @@ class InstanceModel:
             return
         waiting, heap, cost = self._waiting, self._heap, self.cost
         while waiting and self._running < self.max_num_seqs:
-            seq = waiting.popleft()
+            seq = heapq.heappop(waiting)[2]
             if seq.aborted:
                 continue
             self._queued -= 1
             group = seq.group
             seq.start_step = self.step
-            seq.version_min = self.version
+            if not seq.carried:  # a continued sample keeps its prefix's version_min
+                seq.version_min = self.version
             self._running += 1
-            self._prompt_sum += group.shape.prompt_tokens
+            self._prompt_sum += group.shape.prompt_tokens + seq.carried
             self._start_sum += self.step
             self._tiebreak += 1
             heapq.heappush(heap, (self.step + seq.length, self._tiebreak, seq))
             if group.started_at is None:
                 # vLLM prefills the prompt once for all n samples (they share the prefix).
                 group.started_at = self.stamp(at)
-                self._stall_s += cost.prefill_s(group.shape.prompt_tokens)
+                carried = sum(s.carried for s in group.seqs if not s.finished)
+                self._stall_s += cost.prefill_s(group.shape.prompt_tokens + carried)
 
     def _release(self, seq: _Seq) -> None:
         self._running -= 1
-        self._prompt_sum -= seq.group.shape.prompt_tokens
+        self._prompt_sum -= seq.group.shape.prompt_tokens + seq.carried
         self._start_sum -= seq.start_step
 
     def _finish_due(self, at: float) -> None:
@@ -541,14 +643,14 @@ class InstanceModel:
     def _group_done(self, group: _Group, finished_at: float) -> GroupDone:
         request, shape = group.request, group.shape
         reward = self.outputs.reward
-        ids, logprobs = self.outputs.tokens(shape, request.group_id)
+        ids, logprobs = _contents(self.outputs, group)
         completions = [
             Completion(
                 token_ids=token_ids,
                 logprobs=lp,
                 version_min=seq.version_min,
                 version_max=seq.version_max,
-                finish_reason="length" if seq.truncated else "stop",
+                finish_reason=_finish_reason(seq),
                 reward=reward(
                     shape.key, request.group_id, seq.index, seq.version_min, seq.truncated
                 ),
@@ -590,7 +692,7 @@ class InstanceModel:
         elif isinstance(message, UpdateWeights):
             self._on_update(message)
         elif isinstance(message, AbortGroups):
-            self._on_abort(message.group_ids, "aborted")
+            self._on_abort(message.group_ids, "aborted", message.partial)
             self._ack("abort", True, f"{len(message.group_ids)} group(s)")
         elif isinstance(message, Shutdown):
             log.info("instance %d: shutdown (%s)", self.instance_id, message.reason or "-")
@@ -625,17 +727,26 @@ class InstanceModel:
                 )
             )
             return
-        shape = self.outputs.shape(request)
-        group = _Group(request=request, shape=shape, unfinished=request.n)
-        group.seqs = [
-            _Seq(group, j, length, truncated)
-            for j, (length, truncated) in enumerate(
-                zip(shape.lengths, shape.truncated, strict=True)
+        if request.prefix is not None and len(request.prefix) != request.n:
+            reason = f"failed: {len(request.prefix)} prefixes for a group of n = {request.n}"
+            self._outbox.append(
+                GroupAborted(group_id=request.group_id, instance_id=self.instance_id, reason=reason)
             )
-        ]
+            return
+        shape = self.outputs.shape(request)
+        group = _Group(request=request, shape=shape)
+        group.seqs = _sequences(group)
+        waiting = [seq for seq in group.seqs if not seq.finished]
+        group.unfinished = len(waiting)
+        if not waiting:
+            self._outbox.append(self._group_done(group, self.stamp(now)))
+            return
         self._groups[request.group_id] = group
-        self._waiting.extend(group.seqs)
-        self._queued += request.n
+        priority = request.priority if self._by_priority else 0
+        for seq in waiting:
+            self._arrivals += 1
+            heapq.heappush(self._waiting, (priority, self._arrivals, seq))
+        self._queued += len(waiting)
 
     def _on_pause(self, message: PauseWorker) -> None:
         mode = message.mode
@@ -681,11 +792,12 @@ class InstanceModel:
         self._updates.append(update)
         self._start_next_update()
 
-    def _on_abort(self, group_ids: Sequence[int], reason: str) -> None:
+    def _on_abort(self, group_ids: Sequence[int], reason: str, partial: bool = False) -> None:
         for group_id in group_ids:
             group = self._groups.pop(group_id, None)
             if group is None:
                 continue  # finished (GroupDone already sent) or never here
+            report = _partial(group, self.outputs, self.step, self.version) if partial else None
             for seq in group.seqs:
                 if seq.aborted or seq.finished:
                     continue
@@ -696,7 +808,9 @@ class InstanceModel:
                     self._queued -= 1
                 seq.aborted = True
             self._outbox.append(
-                GroupAborted(group_id=group_id, instance_id=self.instance_id, reason=reason)
+                GroupAborted(
+                    group_id=group_id, instance_id=self.instance_id, reason=reason, partial=report
+                )
             )
         self._settle()
 
