@@ -61,7 +61,8 @@ class Instance:
 
     def active_slots(self) -> int:
         """Sequences running now: the last heartbeat's count, bounded by what is in flight."""
-        return max(0, min(self.running_seqs, len(self.in_flight) * self.n, self.max_num_seqs))
+        running = min(self.running_seqs, len(self.in_flight) * self.n, self.max_num_seqs)
+        return running if running > 0 else 0
 
     def observe_tokens(self, total: int, now: float) -> None:
         """Tokens/s from the heartbeat's cumulative counter (EWMA; a restart resets it)."""

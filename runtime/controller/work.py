@@ -277,7 +277,7 @@ class WorkQueue:
             self.scheduler.on_group_finished(prompt_id, instance_id, lengths)
             predicted = self._predicted_mean.get(prompt_id)
             if predicted is not None:
-                self.observed_pairs.append((predicted, float(np.mean(lengths))))
+                self.observed_pairs.append((predicted, sum(lengths) / len(lengths)))
         if self.lengths is not None:
             self.lengths.observe(prompt_id, lengths)
 
