@@ -19,7 +19,7 @@ from runtime.controller.governor import ABORTED, SKIPPED, GroupRecord, LagGovern
 from runtime.controller.instances import RUNNING, Instance
 from runtime.controller.ledger import Ledger
 from runtime.controller.work import WorkQueue
-from runtime.scheduler.base import InstanceSpec
+from runtime.scheduler.base import Defer, InstanceSpec, Move, RolloutView, Running
 
 log = logging.getLogger(__name__)
 
@@ -56,6 +56,8 @@ class Dispatcher:
         """Groups asked to move (``migrate``): id -> (target instance, priority there)."""
         self.migrated = 0
         """Groups moved to another instance with their partial output, so far."""
+        self.deferred = 0
+        """Groups the policy aborted to regenerate later (``repair``), so far."""
 
     # --- dispatch -----------------------------------------------------------------------------
     def dispatch(self) -> None:
@@ -234,6 +236,39 @@ class Dispatcher:
             to=to,
             tokens=carried,
         )
+        return True
+
+    # --- online repair ------------------------------------------------------------------------
+    def repair(self) -> bool:
+        """The trainer waits on in-flight groups: let the scheduler defer or move them
+        (``Scheduler.repair``). True when anything was asked for."""
+        sched = self.work.scheduler
+        now = self.clock()
+        gov = self.governor
+        if sched is None or not sched.repair_due(now, gov.version):
+            return False
+        waiting = []
+        for gid in gov.waiting_for():
+            r = gov.groups[gid]
+            waiting.append(
+                Running(gid, r.prompt_id, r.instance_id, r.start_version, r.dispatched_at)
+            )
+        view = RolloutView(now, gov.version, gov.queued, gov.batch_groups, tuple(waiting))
+        acted = False
+        for what in sched.repair(view):
+            if isinstance(what, Defer):
+                acted |= self.defer(what.group_id, what.reason)
+            elif isinstance(what, Move):
+                acted |= self.migrate(what.group_id, what.to, what.priority)
+        return acted
+
+    def defer(self, gid: int, reason: str) -> bool:
+        """Abort in-flight group ``gid`` and hand its prompt back to the scheduler, to be
+        regenerated at a later version (ledgered as aborted with ``reason``, counted)."""
+        if gid in self._migrating or not self.governor.cancel(gid, ABORTED):
+            return False
+        self.abort(gid, f"deferred: {reason}")
+        self.deferred += 1
         return True
 
     # --- results ------------------------------------------------------------------------------

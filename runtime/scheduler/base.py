@@ -86,6 +86,58 @@ class Scheduler(abc.ABC):
         sooner (``Generate.priority``; heeded under ``rollout.scheduling_policy: priority``)."""
         return 0
 
+    def repair_due(self, now: float, version: int) -> bool:
+        """Whether ``repair`` has anything to decide now, asked while the trainer waits on
+        in-flight groups (``lag_wait``); cheap, as it is asked after every such event."""
+        return False
+
+    def repair(self, view: RolloutView) -> Sequence[Defer | Move]:
+        """Online repair of running work while the trainer waits on ``view.waiting``: groups to
+        defer (abort, regenerate later at a newer version: handed back through ``requeue``) or
+        to move to another instance with their partial output."""
+        return ()
+
+
+@dataclass(frozen=True)
+class Running:
+    """An in-flight group as a policy sees it."""
+
+    group_id: int
+    prompt_id: int
+    instance_id: int
+    start_version: int
+    dispatched_at: float
+
+
+@dataclass(frozen=True)
+class RolloutView:
+    """What ``Scheduler.repair`` sees: the trainer at ``version`` waits for ``waiting`` (the
+    in-flight groups the lag bound makes it consume next) with ``ready`` groups completed."""
+
+    now: float
+    version: int
+    ready: int
+    batch_groups: int
+    waiting: tuple[Running, ...]
+
+
+@dataclass(frozen=True)
+class Defer:
+    """Abort in-flight group ``group_id`` and regenerate its prompt later (counted, never
+    dropped: the prompt comes back to the scheduler through ``requeue``)."""
+
+    group_id: int
+    reason: str
+
+
+@dataclass(frozen=True)
+class Move:
+    """Move in-flight group ``group_id`` to instance ``to`` with its partial output."""
+
+    group_id: int
+    to: int
+    priority: int | None = None
+
 
 @dataclass(frozen=True)
 class Predictions:

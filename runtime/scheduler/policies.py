@@ -80,7 +80,9 @@ def make_scheduler(
             dispatch=dispatch,
             predictions=predictions,
         )
-        s = PlannedScheduler(
+        from runtime.scheduler.online import OnlinePlanned
+
+        s = OnlinePlanned(
             policy,
             groups,
             instances,

@@ -22,6 +22,7 @@ Bubbles are integrated by the core's ``runtime.bubbles.BubbleAccountant``.
 
 from __future__ import annotations
 
+import dataclasses
 import heapq
 import math
 from collections import Counter
@@ -37,7 +38,7 @@ from runtime.controller.core import ControllerCore
 from runtime.controller.ledger import Ledger
 from runtime.controller.work import EpochPlan, TaskData
 from runtime.protocol import Batch, BatchRequest, TrainerHello
-from runtime.scheduler.base import GroupSpec, InstanceSpec, Scheduler
+from runtime.scheduler.base import Defer, GroupSpec, InstanceSpec, Move, RolloutView, Scheduler
 from runtime.scheduler.cost_model import CostModel
 from runtime.sim.instance import InstanceModel, TableOutputs
 from runtime.sim.trainer import TrainerModel
@@ -284,6 +285,21 @@ class _Renumbered(Scheduler):
     def priority(self, prompt_id: int) -> int:
         return self.inner.priority(prompt_id)
 
+    def repair_due(self, now: float, version: int) -> bool:
+        return self.inner.repair_due(now, version)
+
+    def repair(self, view: RolloutView) -> Sequence[Defer | Move]:
+        seen = dataclasses.replace(
+            view,
+            waiting=tuple(
+                dataclasses.replace(r, instance_id=self.ids[r.instance_id]) for r in view.waiting
+            ),
+        )
+        return [
+            dataclasses.replace(x, to=self.index[x.to]) if isinstance(x, Move) else x
+            for x in self.inner.repair(seen)
+        ]
+
 
 class _Clock:
     """The simulated clock the core reads."""
@@ -372,6 +388,8 @@ class SimRun:
         self.step_ends: list[float] = []
         self.queue_timeline: list[tuple[float, int]] = [(0.0, 0)]
         self.stopped = False
+        self.consumed_samples = 0
+        self.consumed_tokens = 0
 
     # --- the loop -----------------------------------------------------------------------------
     def run(self) -> None:
@@ -436,6 +454,9 @@ class SimRun:
                 model.handle(action.message, now)
                 touched[action.instance_id] = None
             elif isinstance(action, A.SendToTrainer) and isinstance(action.message, Batch):
+                for group in action.message.groups:
+                    self.consumed_samples += len(group.completions)
+                    self.consumed_tokens += sum(len(c.token_ids) for c in group.completions)
                 metrics, seconds = self.trainer.step(action.message)
                 self._pending_step = metrics
                 self._push(now + seconds, _TRAIN, -1)
@@ -504,7 +525,12 @@ class SimRun:
             steps=steps,
             groups=g,
             tokens=int(sum(int(x.sum()) for x in self.lengths)),
-            extra={"raw_sorting": raw_sorting},
+            extra={
+                "raw_sorting": raw_sorting,
+                "consumed_mean_length": self.consumed_tokens / max(1, self.consumed_samples),
+                "deferred": self.core.dispatcher.deferred,
+                "migrated": self.core.dispatcher.migrated,
+            },
         )
 
 
