@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from runtime.scheduler.base import GroupSpec, InstanceSpec, Plan, PlannedScheduler, Predictions
+from runtime.scheduler.base import GroupSpec, InstanceSpec, Plan, Predictions
 from runtime.scheduler.cost_model import CostModel
 from runtime.scheduler.fifo import minibatch_size
 from runtime.scheduler.partition import lpt, snake
@@ -124,7 +124,7 @@ def build_variant(
         return _assemble([desc[win_of == w] for w in range(nwin)], tok, instances, n)
     if variant == "head_mix":
         dur = _durations(mx, groups, instances, cost_model)
-        it = _iteration_estimate(tok, instances, batch_groups, lag_bound, cost_model)
+        it = iteration_estimate(tok, instances, batch_groups, lag_bound, cost_model)
         budget = max(1, lag_bound) * it
         desc = np.argsort(-mx, kind="stable")
         head_n = int(np.sum(dur > budget))
@@ -148,7 +148,7 @@ def _durations(
     return mx * per_step
 
 
-def _iteration_estimate(
+def iteration_estimate(
     tok: np.ndarray, instances: Sequence[InstanceSpec], b: int, lag_bound: int, cost: CostModel
 ) -> float:
     """Predicted time per trainer step: B groups' tokens at full-instance throughput."""
@@ -200,6 +200,7 @@ def plan_asp(
     the within-group spread of the grouped traces; ``tail_p``: chance per sample of a run to the
     cap, 0.1-0.5% in shared/data/lengths). All candidates see the same draws. ``predictions``
     are the groups' own, when the caller has them already."""
+    from runtime.scheduler.online import OnlinePlanned
     from runtime.sim.engine import simulate
 
     variants = list(variants)
@@ -242,7 +243,8 @@ def plan_asp(
         )
         runs = []
         for actual in actuals:
-            s = PlannedScheduler(
+            # Scored with the online layer it will be served with (it repairs every plan).
+            s = OnlinePlanned(
                 v,
                 sub_groups,
                 sub_inst,

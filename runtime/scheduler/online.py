@@ -61,7 +61,7 @@ class OnlinePlanned(PlannedScheduler):
         predictions: Predictions | None = None,
         steal: bool = True,
         quantile: float = 0.9,
-        defer_factor: float = 0.5,
+        defer_factor: float = 1.0,
         release_at: int | None = None,
     ) -> None:
         pred = predictions or Predictions.of(groups)
@@ -88,6 +88,7 @@ class OnlinePlanned(PlannedScheduler):
         self.token_s = self.cost_model.decode_step_s(int(c), c * ctx)
         self._ratios: list[float] = []
         self._ratio_q = 2.0  # until enough groups have finished
+        self._ratio_mid = 1.0
         self.tail: list[int] = []
         """Deferred group indices waiting for the tail round (a max-heap by prior: longest
         first; kept sorted on insertion, it is small)."""
@@ -96,9 +97,15 @@ class OnlinePlanned(PlannedScheduler):
         """Prompts deferred this epoch (each at most once)."""
         self._tail_started: set[int] = set()
         self._releasing = False
-        self.period_s = 0.0
-        """Measured trainer period (EWMA of the time between version changes)."""
+        from runtime.scheduler.asp import iteration_estimate
+
+        self.period_s = iteration_estimate(
+            pred.tokens, instances, batch_groups, lag_bound, self.cost_model
+        )
+        """Trainer period: the plan's estimate, then measured (EWMA of the time between
+        version changes)."""
         self._version = -1
+        self._measured = 0
         self._version_at = 0.0
         self._next_check = 0.0
 
@@ -111,12 +118,17 @@ class OnlinePlanned(PlannedScheduler):
         self._ratios.append(max(lengths) / max(1.0, float(self.longest[g])))
         if len(self._ratios) >= 32 and len(self._ratios) % 32 == 0:
             recent = self._ratios[-4096:]
-            self._ratio_q = max(1.0, float(np.quantile(recent, self.quantile)))
+            mid, q = np.quantile(recent, [0.5, self.quantile])
+            self._ratio_mid, self._ratio_q = float(mid), max(1.0, float(q))
 
     def estimate(self, g: int, generated: float) -> float:
-        """Tokens group ``g``'s longest member is expected to reach, having ``generated``."""
-        upper = float(self.longest[g]) * self._ratio_q
-        return upper if generated <= upper else max(self.cap, generated)
+        """Tokens group ``g``'s longest member is expected to reach, having ``generated``: the
+        prior's point (median ratio) while it is inside the prior's upper quantile, the cap
+        once it has run past it."""
+        prior = float(self.longest[g])
+        if generated > prior * self._ratio_q:
+            return max(self.cap, generated)
+        return max(prior * self._ratio_mid, generated)
 
     # --- serving ------------------------------------------------------------------------------
     def next_groups(self, instance_id: int, max_groups: int) -> list[int]:
@@ -165,7 +177,8 @@ class OnlinePlanned(PlannedScheduler):
         if version != self._version:
             if self._version >= 0:
                 span = now - self._version_at
-                self.period_s = span if self.period_s == 0 else 0.7 * self.period_s + 0.3 * span
+                self.period_s = span if self._measured == 0 else 0.7 * self.period_s + 0.3 * span
+                self._measured += 1
             self._version, self._version_at = version, now
             return self.period_s > 0
         return self.period_s > 0 and now >= self._next_check
