@@ -9,7 +9,8 @@ repairs the plan online (``long-tail-rollouts.md`` sections 1, 4.2 and 5):
   group has generated so far)``. The prior's upper quantile is the predicted longest member
   times the ``quantile`` of the ratio actual/predicted longest over the groups finished this
   epoch (learned as it runs). A group that has run past its upper quantile is assumed to run
-  to the cap (the longest length any prior saw), as Seer assumes the maximum for unknowns.
+  to the cap (the longest length any prior saw or any group of this epoch reached), as Seer
+  assumes the maximum for unknowns.
   What a running group has generated is bounded from the time it has run: elapsed / the
   per-token time of a full instance (the cost model).
 - **Deadlines and deferral.** The lag governor makes the trainer wait (``lag_wait``) on the
@@ -115,6 +116,7 @@ class OnlinePlanned(PlannedScheduler):
         g = self.index.get(prompt_id)
         if g is None or not lengths:
             return
+        self.cap = max(self.cap, float(max(lengths)))
         self._ratios.append(max(lengths) / max(1.0, float(self.longest[g])))
         if len(self._ratios) >= 32 and len(self._ratios) % 32 == 0:
             recent = self._ratios[-4096:]
