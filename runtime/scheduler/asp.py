@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from runtime.scheduler.base import GroupSpec, InstanceSpec, Plan, Predictions
-from runtime.scheduler.cost_model import CostModel
+from runtime.scheduler.cost_model import CostModel, iteration_estimate
 from runtime.scheduler.fifo import minibatch_size
 from runtime.scheduler.partition import lpt, snake
 
@@ -124,7 +124,9 @@ def build_variant(
         return _assemble([desc[win_of == w] for w in range(nwin)], tok, instances, n)
     if variant == "head_mix":
         dur = _durations(mx, groups, instances, cost_model)
-        it = iteration_estimate(tok, instances, batch_groups, lag_bound, cost_model)
+        it = iteration_estimate(
+            tok, [x.max_num_seqs for x in instances], batch_groups, lag_bound, cost_model
+        )
         budget = max(1, lag_bound) * it
         desc = np.argsort(-mx, kind="stable")
         head_n = int(np.sum(dur > budget))
@@ -146,20 +148,6 @@ def _durations(
     mean_ctx = float(np.mean(mx)) if len(mx) else 0.0
     per_step = cost.decode_step_s(int(c), c * mean_ctx)
     return mx * per_step
-
-
-def iteration_estimate(
-    tok: np.ndarray, instances: Sequence[InstanceSpec], b: int, lag_bound: int, cost: CostModel
-) -> float:
-    """Predicted time per trainer step: B groups' tokens at full-instance throughput."""
-    if len(tok) == 0:
-        return 0.0
-    c = float(np.mean([s.max_num_seqs for s in instances]))
-    ctx = float(np.mean(tok))
-    per_tok = cost.decode_step_s(int(c), c * ctx / 2) / c
-    roll = float(np.mean(tok)) * b * per_tok / len(instances)
-    train = cost.trainer_step_s(float(np.mean(tok)) * b)
-    return roll + train if lag_bound == 0 else max(roll, train)
 
 
 def _noisy_actual(

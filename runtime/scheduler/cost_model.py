@@ -26,7 +26,7 @@ non-negative).
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -182,3 +182,18 @@ def _nnls(x: np.ndarray, y: np.ndarray) -> np.ndarray:
         if err < best_err - 1e-18:
             best, best_err = full, err
     return best
+
+
+def iteration_estimate(
+    tok: np.ndarray, slots: Sequence[int], b: int, lag_bound: int, cost: CostModel
+) -> float:
+    """Predicted time per trainer step: B groups' tokens at full-instance throughput, on
+    instances of ``slots`` concurrency each."""
+    if len(tok) == 0:
+        return 0.0
+    c = float(np.mean(slots))
+    ctx = float(np.mean(tok))
+    per_tok = cost.decode_step_s(int(c), c * ctx / 2) / c
+    roll = float(np.mean(tok)) * b * per_tok / len(slots)
+    train = cost.trainer_step_s(float(np.mean(tok)) * b)
+    return roll + train if lag_bound == 0 else max(roll, train)

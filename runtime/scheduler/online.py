@@ -40,7 +40,7 @@ from runtime.scheduler.base import (
     Predictions,
     RolloutView,
 )
-from runtime.scheduler.cost_model import CostModel
+from runtime.scheduler.cost_model import CostModel, iteration_estimate
 
 TAIL_PRIORITY = -1
 """Engine priority of a regenerated (deferred) group: ahead of everything planned."""
@@ -98,10 +98,9 @@ class OnlinePlanned(PlannedScheduler):
         """Prompts deferred this epoch (each at most once)."""
         self._tail_started: set[int] = set()
         self._releasing = False
-        from runtime.scheduler.asp import iteration_estimate
-
+        slots = [x.max_num_seqs for x in instances]
         self.period_s = iteration_estimate(
-            pred.tokens, instances, batch_groups, lag_bound, self.cost_model
+            pred.tokens, slots, batch_groups, lag_bound, self.cost_model
         )
         """Trainer period: the plan's estimate, then measured (EWMA of the time between
         version changes)."""
