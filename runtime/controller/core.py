@@ -167,10 +167,12 @@ class ControllerCore:
         local: set[int] = set()
         changed = False
         for event in events:
-            if _is_heartbeat(event) and self._heartbeat(event):  # type: ignore[arg-type]
+            if not _is_heartbeat(event):
+                self._apply(event)
+                changed = True
+            elif self._heartbeat(event):  # type: ignore[arg-type]
                 local.add(event.instance_id)  # type: ignore[union-attr]
             else:
-                self._apply(event)
                 changed = True
         if changed:
             self._after_change()
@@ -183,10 +185,11 @@ class ControllerCore:
         """Apply a heartbeat; True when it changed nothing but the instance's own counts."""
         inst = self.instances.get(event.instance_id)
         if inst is None:
-            return True
-        state = inst.state
+            log.warning("message from unknown instance %d ignored", event.instance_id)
+            return False
+        state, actions = inst.state, len(self.outbox.actions)
         self.fleet.on_message(inst, event.message)
-        return inst.state == state and not self.outbox.actions
+        return inst.state == state and len(self.outbox.actions) == actions
 
     def _apply(self, event: A.Event) -> None:
         if isinstance(event, A.InstanceMessage):
