@@ -81,6 +81,7 @@ class ControllerProcess:
         self.launchers: Launchers | None = None
         self._tasks: list[asyncio.Task] = []
         self._command_identity: bytes | None = None
+        self._events = A.Outbox(time.time)
 
     # --- lifecycle ----------------------------------------------------------------------------
     async def run(self) -> int:
@@ -506,9 +507,9 @@ class ControllerProcess:
         return self._send(self.sockets.rollout, INSTANCE_PREFIX + b"%d" % instance_id, msg)
 
     def _publish(self, kind: P.EventKind, message: str, **data: Any) -> None:
-        log.info("[%s] %s", kind, message)
-        event = P.Event(time=time.time(), kind=kind, message=message, data=A.jsonable(data))
-        self._publish_event(event)
+        """An event of the process's own (start-up, signals, auth, export)."""
+        self._events.publish(kind, message, **data)
+        self._execute(self._events.take())
 
     def _publish_event(self, event: P.Event) -> None:
         """Publish an Event (PUB + ring buffer) and append it to metrics.jsonl."""
