@@ -15,7 +15,7 @@ from typing import Any
 import msgspec
 import numpy as np
 
-from runtime.protocol import BUBBLE_CATEGORIES, StepMetrics
+from runtime.protocol import BUBBLE_CATEGORIES, LagStats, StepMetrics
 
 
 class StepRecord(msgspec.Struct, tag_field="event", tag="step", kw_only=True):
@@ -123,7 +123,7 @@ def step_record(
     step: int,
     metrics: StepMetrics,
     rollout_rewards: Sequence[float],
-    lag: Mapping[str, Any],
+    lag: LagStats,
     lag_bound: int,
     pending_lag_bound: int | None,
     queue_depth: int,
@@ -141,7 +141,7 @@ def step_record(
     observed_lengths: Sequence[tuple[float, float]] = (),
     time: float,
 ) -> StepRecord:
-    """Build a step's record. ``lag`` is ``LagRecorder.stats()`` of the batch; ``bubbles`` and
+    """Build a step's record. ``lag`` is the batch's lag statistics; ``bubbles`` and
     ``predicted_bubbles`` map a ``BUBBLE_CATEGORIES`` entry to its fraction (predicted may be
     empty); ``observed_lengths`` holds (predicted, actual) group lengths of this epoch."""
     extra: dict[str, Any] = {f"bubble_{c}": float(bubbles[c]) for c in BUBBLE_CATEGORIES}
@@ -172,11 +172,11 @@ def step_record(
         clip_fraction=metrics.clip_fraction,
         importance_clip_fraction=metrics.importance_clip_fraction,
         grad_norm=metrics.grad_norm,
-        lag_mean=lag["mean"],
-        lag_p95=lag["p95"],
-        lag_max=lag["max"],
-        lag_span_max=lag["span_max"],
-        lag_histogram=list(lag["histogram"]),
+        lag_mean=lag.mean,
+        lag_p95=lag.p95,
+        lag_max=lag.max,
+        lag_span_max=lag.span_max,
+        lag_histogram=list(lag.histogram),
         lag_bound=lag_bound,
         pending_lag_bound=pending_lag_bound,
         queue_depth=queue_depth,

@@ -10,7 +10,7 @@ import pytest
 
 from runtime.config import load_config
 from runtime.controller.client import SpawnedController, write_run_config
-from runtime.protocol import BUBBLE_CATEGORIES, StepMetrics
+from runtime.protocol import BUBBLE_CATEGORIES, LagStats, StepMetrics
 from runtime.records import StepRecord, step_record
 from runtime.rundir import RunDir, read_jsonl
 from runtime.tracking import tracker_scalars
@@ -58,7 +58,7 @@ def _built(**overrides) -> StepRecord:
         "step": 3,
         "metrics": StepMetrics(loss=0.5, reward_mean=0.25, samples=8, tokens=80, step_s=1.5),
         "rollout_rewards": [0.0, 0.5],
-        "lag": {"mean": 0.5, "p95": 1.0, "max": 1, "span_max": 0, "histogram": [4, 4]},
+        "lag": LagStats(mean=0.5, p95=1.0, max=1, span_max=0, histogram=[4, 4]),
         "lag_bound": 1,
         "pending_lag_bound": None,
         "queue_depth": 2,

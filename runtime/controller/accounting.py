@@ -93,7 +93,6 @@ class Accounting:
         self.window, self.shares, total = self.windows.tick(now)
         self.total = total.fractions
         m = trainer.last_metrics
-        lag = trainer.last_lag
         waiting = trainer.pending is not None and trainer.waiting_since
         trainer_row = P.TrainerSnapshot(
             state=trainer.condition if trainer.connected else "starting",
@@ -143,13 +142,7 @@ class Accounting:
             consumed_groups=c.consumed,
             discarded_groups=c.discarded + c.aborted,
             requeued_groups=c.requeued,
-            lag=P.LagStats(
-                mean=float(lag["mean"]),
-                p95=float(lag["p95"]),
-                max=int(lag["max"]),
-                span_max=int(lag["span_max"]),
-                histogram=list(lag["histogram"]),
-            ),
+            lag=trainer.last_lag,
             trainer=trainer_row,
             bubbles_window=self.window,
             bubbles_total=self.total,

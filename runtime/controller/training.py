@@ -69,7 +69,7 @@ class TrainerSide:
         self.last_iteration_s = 0.0
         self.last_samples_per_s = 0.0
         self.last_tokens_per_s = 0.0
-        self.last_lag: dict[str, Any] = LagRecorder().stats()
+        self.last_lag = P.LagStats()
         self.weights_path: dict[int, str] = {}
         self._batch: dict[str, Any] = {}
         self.batch_bound = governor.lag_bound
@@ -190,7 +190,7 @@ class TrainerSide:
             self.work.consumed(result.prompt_id, record.epoch)
         self.ledger.consumed(plan.group_ids, step=plan.version, lags=lags)
         gov.forget(plan.group_ids)
-        self.last_lag = recorder.stats()
+        self.last_lag = P.LagStats(**recorder.stats())
         self._batch = {
             "tokens": sum(len(c.token_ids) for g in groups for c in g.completions),
             "samples": sum(len(g.completions) for g in groups),
