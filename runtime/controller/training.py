@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -27,6 +28,16 @@ log = logging.getLogger(__name__)
 
 KEEP_WEIGHT_PATHS = 4
 """Versions whose weight paths are remembered (older ones are gone from disk)."""
+
+
+@dataclass
+class _BatchFacts:
+    """What the step record needs of the batch last sent (the trainer may not report it)."""
+
+    tokens: int = 0
+    samples: int = 0
+    rewards: list[float] = field(default_factory=list)
+    reward_functions: dict[str, float] = field(default_factory=dict)
 
 
 class TrainerSide:
@@ -71,7 +82,7 @@ class TrainerSide:
         self.last_tokens_per_s = 0.0
         self.last_lag = P.LagStats()
         self.weights_path: dict[int, str] = {}
-        self._batch: dict[str, Any] = {}
+        self._batch = _BatchFacts()
         self.batch_bound = governor.lag_bound
         """The bound in force when the last batch was formed (its lags are within it)."""
         self.batch_pending: int | None = None
@@ -191,12 +202,12 @@ class TrainerSide:
         self.ledger.consumed(plan.group_ids, step=plan.version, lags=lags)
         gov.forget(plan.group_ids)
         self.last_lag = P.LagStats(**recorder.stats())
-        self._batch = {
-            "tokens": sum(len(c.token_ids) for g in groups for c in g.completions),
-            "samples": sum(len(g.completions) for g in groups),
-            "rewards": [c.reward for g in groups for c in g.completions],
-            "reward_functions": _per_function_means(groups),
-        }
+        self._batch = _BatchFacts(
+            tokens=sum(len(c.token_ids) for g in groups for c in g.completions),
+            samples=sum(len(g.completions) for g in groups),
+            rewards=[c.reward for g in groups for c in g.completions],
+            reward_functions=_per_function_means(groups),
+        )
         return groups
 
     # --- steps --------------------------------------------------------------------------------
@@ -221,8 +232,8 @@ class TrainerSide:
         self.last_step_at = now
         self.last_iteration_s = iteration
         self.last_metrics = msg.metrics
-        samples = msg.metrics.samples or self._batch.get("samples", 0)
-        tokens = msg.metrics.tokens or self._batch.get("tokens", 0)
+        samples = msg.metrics.samples or self._batch.samples
+        tokens = msg.metrics.tokens or self._batch.tokens
         self.last_samples_per_s = samples / iteration
         self.last_tokens_per_s = tokens / iteration
         self.fleet.publish_version(msg.version, msg.weights_path, now)
@@ -238,7 +249,7 @@ class TrainerSide:
         return step_record(
             step=step + 1,
             metrics=msg.metrics,
-            rollout_rewards=self._batch.get("rewards", ()),
+            rollout_rewards=self._batch.rewards,
             lag=self.last_lag,
             lag_bound=self.batch_bound,
             pending_lag_bound=self.batch_pending,
@@ -253,7 +264,7 @@ class TrainerSide:
             skipped_groups_total=gov.counters.skipped,
             bubbles=self._bubbles_since_step(now),
             predicted_bubbles=self._predicted_bubbles(),
-            reward_functions=self._batch.get("reward_functions"),
+            reward_functions=self._batch.reward_functions,
             observed_lengths=self.work.observed_pairs,
             time=now,
         ).to_dict()
