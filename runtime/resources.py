@@ -28,6 +28,13 @@ def worker_name(instance_id: int) -> str:
     return f"worker-{instance_id}"
 
 
+def worker_instance(name: str) -> int | None:
+    """The instance id of child ``name`` when it is a rollout worker (``worker_name``'s
+    inverse), else None."""
+    prefix, _, number = name.partition("-")
+    return int(number) if prefix == "worker" and number.isdigit() else None
+
+
 @dataclass(frozen=True, slots=True)
 class Share:
     """One process's share of the host."""

@@ -19,7 +19,7 @@ from runtime.controller.dispatch import Dispatcher
 from runtime.controller.governor import LagGovernor
 from runtime.controller.instances import DOWN, PAUSED, RUNNING, STARTING, SYNCING, Instance
 from runtime.controller.work import WorkQueue
-from runtime.resources import SIM_BACKEND, worker_name
+from runtime.resources import SIM_BACKEND, worker_instance, worker_name
 
 log = logging.getLogger(__name__)
 
@@ -28,9 +28,8 @@ def process_of(name: str, instances: dict[int, Instance]) -> list[Instance]:
     """The instances a child process hosts: every one for the sim backend, else its own."""
     if name == SIM_BACKEND:
         return list(instances.values())
-    if name.startswith("worker-"):
-        return [instances[int(name.split("-")[1])]]
-    return []
+    instance_id = worker_instance(name)
+    return [] if instance_id is None else [instances[instance_id]]
 
 
 class Fleet:

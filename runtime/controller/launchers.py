@@ -27,7 +27,7 @@ from pathlib import Path
 from runtime.auth import Role, RunKeys
 from runtime.config import LOCAL_HOSTS, Config, LauncherConfig
 from runtime.remote import encode_bootstrap
-from runtime.resources import TRAINER
+from runtime.resources import TRAINER, worker_instance
 from runtime.rundir import Endpoints
 
 PROJECT_ROOT = Path(__file__).resolve().parents[2]
@@ -117,8 +117,8 @@ class Launchers:
         """The other hosts child ``name`` runs on; empty for this host."""
         if name == TRAINER:
             hosts = self.config.trainer.hosts
-        elif name.startswith("worker-"):
-            hosts = [self.config.rollout.instance_list()[_instance_id(name)].host]
+        elif (i := worker_instance(name)) is not None:
+            hosts = [self.config.rollout.instance_list()[i].host]
         else:
             hosts = []
         return [] if set(hosts) <= LOCAL_HOSTS else list(hosts)
@@ -127,8 +127,8 @@ class Launchers:
         """The configured GPU indices of child ``name`` on its host, if any."""
         if name == TRAINER:
             return self.config.trainer.gpus
-        if name.startswith("worker-"):
-            return self.config.rollout.instance_list()[_instance_id(name)].gpus
+        if (i := worker_instance(name)) is not None:
+            return self.config.rollout.instance_list()[i].gpus
         return None
 
     def wrap(self, name: str, argv: list[str]) -> Launch:
@@ -142,12 +142,10 @@ class Launchers:
         if name == TRAINER:
             role, count = Role.TRAINER, self.config.trainer.num_processes
         else:
-            instance = self.config.rollout.instance_list()[_instance_id(name)]
+            instance_id = worker_instance(name)
+            assert instance_id is not None, "only workers and the trainer run on other hosts"
+            instance = self.config.rollout.instance_list()[instance_id]
             role, count = Role.WORKER, instance.tensor_parallel_size
         line = encode_bootstrap(self.config, self.endpoints, role, self.keys.role_key(role))
         launcher = self.config.launcher
         return Launch(launch_argv(launcher, hosts, argv, gpus=count, extra_env=env), stdin=line)
-
-
-def _instance_id(name: str) -> int:
-    return int(name.split("-")[1])

@@ -37,7 +37,14 @@ from runtime.controller.state import load_state, save_state
 from runtime.controller.supervisor import Supervisor
 from runtime.controller.telemetry import Telemetry
 from runtime.controller.work import TaskData, load_task
-from runtime.resources import SIM_BACKEND, TRAINER, ResourcePlan, plan_resources, worker_name
+from runtime.resources import (
+    SIM_BACKEND,
+    TRAINER,
+    ResourcePlan,
+    plan_resources,
+    worker_instance,
+    worker_name,
+)
 from runtime.rundir import Endpoints, JsonlWriter, RunDir, read_jsonl
 from runtime.scheduler.policies import make_scheduler
 
@@ -204,9 +211,8 @@ class ControllerProcess:
         if argv is None and name == SIM_BACKEND:
             argv = [sys.executable, "-m", "runtime.sim.backend", "--run-dir", root]
         elif argv is None:
-            instance = name.split("-")[1]
             argv = [sys.executable, "-m", "runtime.rollout.worker", "--run-dir", root]
-            argv += ["--instance-id", instance]
+            argv += ["--instance-id", str(worker_instance(name))]
         share = self.resources.share(name)
         assert self.launchers is not None, "children start after the sockets are bound"
         launch = self.launchers.wrap(name, argv)  # through ssh/srun/a command for other hosts
