@@ -37,7 +37,7 @@ from runtime.controller import actions as A
 from runtime.controller.core import ControllerCore
 from runtime.controller.ledger import Ledger
 from runtime.controller.work import EpochPlan, TaskData
-from runtime.protocol import Batch, BatchRequest, TrainerHello
+from runtime.protocol import Batch, BatchRequest, StepMetrics, TrainerHello
 from runtime.scheduler.base import Defer, GroupSpec, InstanceSpec, Move, RolloutView, Scheduler
 from runtime.scheduler.cost_model import CostModel
 from runtime.sim.instance import InstanceModel, TableOutputs
@@ -388,6 +388,8 @@ class SimRun:
         self.step_ends: list[float] = []
         self.queue_timeline: list[tuple[float, int]] = [(0.0, 0)]
         self.stopped = False
+        self._pending_step: StepMetrics | None = None
+        """The metrics of the step the trainer model is taking."""
         self.consumed_samples = 0
         self.consumed_tokens = 0
 
@@ -476,6 +478,7 @@ class SimRun:
             self._push(due, _MODEL, i)
 
     def _step_done(self) -> None:
+        assert self._pending_step is not None, "a step ends only after a batch started it"
         done = self.trainer.step_done(self._pending_step)
         self.step_ends.append(self.clock.now)
         events: list[A.Event] = [
