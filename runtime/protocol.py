@@ -333,6 +333,14 @@ class Snapshot(_Message):
     (under ``control``) commands the client's role may not send."""
 
 
+class Lane(enum.StrEnum):
+    """What a rollout instance is kept for: the bulk of the plan, or the tail lane, where the
+    controller caps its load so that a moved straggler decodes near its single-sequence speed."""
+
+    BULK = "bulk"
+    TAIL = "tail"
+
+
 class EventKind(enum.StrEnum):
     """What a controller event (and its ``metrics.jsonl`` record's ``event`` field) is about.
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from runtime.protocol import Lane
 from runtime.scheduler.cost_model import CostModel
 
 
@@ -85,6 +86,15 @@ class Scheduler(abc.ABC):
         """The engine priority of ``prompt_id``'s group when it is dispatched now: lower runs
         sooner (``Generate.priority``; heeded under ``rollout.scheduling_policy: priority``)."""
         return 0
+
+    def lane(self, instance_id: int) -> Lane:
+        """What ``instance_id`` is kept for (shown per instance on the dashboard)."""
+        return Lane.BULK
+
+    def predicted_longest(self, prompt_id: int) -> float | None:
+        """The prediction this policy planned ``prompt_id``'s longest sample with (None: it
+        has none), to score the predictor against what comes back."""
+        return None
 
     def repair_due(self, now: float, version: int) -> bool:
         """Whether ``repair`` has anything to decide now, asked while the trainer waits on
@@ -227,7 +237,9 @@ class PlannedScheduler(Scheduler):
         self.index = {g.prompt_id: k for k, g in enumerate(self.groups)}
         if len(self.index) != len(self.groups):
             raise ValueError("groups: prompt_id values must be unique within an epoch")
-        self.tokens = (predictions or Predictions.of(self.groups)).tokens
+        pred = predictions or Predictions.of(self.groups)
+        self.tokens = pred.tokens
+        self.longest = pred.longest
         # Each instance's pending work is a deque of minibatches (deques of group indices).
         self.queues: dict[int, deque[deque[int]]] = {}
         for i in self.specs:
@@ -308,6 +320,10 @@ class PlannedScheduler(Scheduler):
 
     def pending(self, instance_id: int) -> int:
         return self._pending.get(instance_id, 0)
+
+    def predicted_longest(self, prompt_id: int) -> float | None:
+        g = self.index.get(prompt_id)
+        return None if g is None else float(self.longest[g])
 
     def remaining(self) -> int:
         return sum(self._pending.values())

@@ -77,7 +77,6 @@ class OnlinePlanned(PlannedScheduler):
             predictions=pred,
             steal=steal,
         )
-        self.longest = pred.longest
         self.cap = float(pred.longest.max()) if len(pred.longest) else pred.default
         self.quantile = quantile
         self.defer_factor = defer_factor
