@@ -222,8 +222,8 @@ class ControllerCore:
         """After every event: feed the instances, then the trainer, then account."""
         self.dispatcher.dispatch()
         self.trainer.try_batch(self.stopping, self.stop_reason)
-        if self.trainer.condition == "lag_wait" and self.dispatcher.repair():
-            # The policy deferred or moved what the trainer waits on: refill, batch again.
+        if self.dispatcher.repair(self.trainer.condition == "lag_wait"):
+            # The policy deferred or moved running work: refill, batch again.
             self.dispatcher.dispatch()
             self.trainer.try_batch(self.stopping, self.stop_reason)
         self.accounting.account(self.clock(), self.work, self.trainer.reported_condition)

@@ -239,21 +239,26 @@ class Dispatcher:
         return True
 
     # --- online repair ------------------------------------------------------------------------
-    def repair(self) -> bool:
-        """The trainer waits on in-flight groups: let the scheduler defer or move them
-        (``Scheduler.repair``). True when anything was asked for."""
+    def repair(self, trainer_waits: bool) -> bool:
+        """Let the scheduler defer or move in-flight groups (``Scheduler.repair``), when it says
+        it has something to decide; ``trainer_waits``: the trainer waits on the oldest of them
+        (``lag_wait``). True when anything was asked for."""
         sched = self.work.scheduler
         now = self.clock()
         gov = self.governor
         if sched is None or not sched.repair_due(now, gov.version):
             return False
-        waiting = []
-        for gid in gov.waiting_for():
-            r = gov.groups[gid]
-            waiting.append(
-                Running(gid, r.prompt_id, r.instance_id, r.start_version, r.dispatched_at)
-            )
-        view = RolloutView(now, gov.version, gov.queued, gov.batch_groups, tuple(waiting))
+        running = tuple(
+            Running(r.group_id, r.prompt_id, r.instance_id, r.start_version, r.dispatched_at)
+            for inst in self.instances.values()
+            for r in inst.in_flight.values()
+            if not r.aborting and r.group_id not in self._migrating
+        )
+        waiting: tuple[Running, ...] = ()
+        if trainer_waits:
+            due = set(gov.waiting_for())
+            waiting = tuple(r for r in running if r.group_id in due)
+        view = RolloutView(now, gov.version, gov.queued, gov.batch_groups, waiting, running)
         acted = False
         for what in sched.repair(view):
             if isinstance(what, Defer):

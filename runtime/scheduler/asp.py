@@ -41,6 +41,8 @@ from runtime.scheduler.fifo import minibatch_size
 from runtime.scheduler.partition import lpt, snake
 
 VARIANTS = ("homogeneous", "ascending", "longest_first", "head_mix", "mix")
+MIN_TAIL_P = 0.002
+"""Least chance per sample of a run to the cap that candidate plans are scored with."""
 SCORE_MAX_GROUPS = 3000
 """Candidate plans are scored on at most this many groups (a stratified subsample)."""
 SCORE_MAX_INSTANCES = 16
@@ -150,6 +152,16 @@ def _durations(
     return mx * per_step
 
 
+def cap_share(groups: Sequence[GroupSpec]) -> float:
+    """The share of predicted samples within 2% of the longest prediction (the length cap, in
+    practice), at least ``MIN_TAIL_P``."""
+    preds = [x for g in groups if g.predicted_lengths for x in g.predicted_lengths]
+    if not preds:
+        return MIN_TAIL_P
+    values = np.asarray(preds, dtype=float)
+    return max(MIN_TAIL_P, float(np.mean(values >= 0.98 * values.max())))
+
+
 def _noisy_actual(
     groups: Sequence[GroupSpec], rng: np.random.Generator, sigma: float, dflt: float, tail_p: float
 ) -> dict[int, tuple[int, ...]]:
@@ -176,7 +188,7 @@ def plan_asp(
     seed: int = 0,
     variants: Sequence[str] = VARIANTS,
     noise_sigma: float = 0.4,
-    tail_p: float = 0.002,
+    tail_p: float | None = None,
     draws: int = 2,
     dispatch: str = "continuous",
     predictions: Predictions | None = None,
@@ -186,7 +198,9 @@ def plan_asp(
     Each candidate is scored by its mean simulated iteration time over ``draws`` noisy
     realisations of the predictions (``noise_sigma``: log-normal spread per sample, 0.4 is about
     the within-group spread of the grouped traces; ``tail_p``: chance per sample of a run to the
-    cap, 0.1-0.5% in shared/data/lengths). All candidates see the same draws. ``predictions``
+    cap, 0.1-1% in shared/data/lengths; None: the share of the predictions' own samples at the
+    cap, at least ``MIN_TAIL_P``, since a prior sample runs to the cap as often as a new one).
+    All candidates see the same draws. ``predictions``
     are the groups' own, when the caller has them already."""
     from runtime.scheduler.online import OnlinePlanned
     from runtime.sim.engine import simulate
@@ -207,6 +221,8 @@ def plan_asp(
 
     if len(variants) == 1 or not groups:
         return build(variants[0]), AspInfo(variants[0])
+    if tail_p is None:
+        tail_p = cap_share(groups)
     rng = np.random.default_rng(seed)
     # Score on a subsample with the cluster scaled down in proportion, so per-instance load,
     # batch size relative to capacity and the lag window look the same.

@@ -97,14 +97,14 @@ class Scheduler(abc.ABC):
         return None
 
     def repair_due(self, now: float, version: int) -> bool:
-        """Whether ``repair`` has anything to decide now, asked while the trainer waits on
-        in-flight groups (``lag_wait``); cheap, as it is asked after every such event."""
+        """Whether ``repair`` has anything to decide now; cheap, as the controller asks after
+        every event."""
         return False
 
     def repair(self, view: RolloutView) -> Sequence[Defer | Move]:
-        """Online repair of running work while the trainer waits on ``view.waiting``: groups to
-        defer (abort, regenerate later at a newer version: handed back through ``requeue``) or
-        to move to another instance with their partial output."""
+        """Online repair of running work: groups to defer (abort, regenerate later at a newer
+        version: handed back through ``requeue``) or to move to another instance with their
+        partial output."""
         return ()
 
 
@@ -121,14 +121,17 @@ class Running:
 
 @dataclass(frozen=True)
 class RolloutView:
-    """What ``Scheduler.repair`` sees: the trainer at ``version`` waits for ``waiting`` (the
-    in-flight groups the lag bound makes it consume next) with ``ready`` groups completed."""
+    """What ``Scheduler.repair`` sees: the trainer at ``version`` with ``ready`` groups
+    completed; ``running``, every group in flight (none being aborted or moved); ``waiting``,
+    those of them the lag bound makes the next batch consume (empty unless the trainer waits
+    on them, ``lag_wait``)."""
 
     now: float
     version: int
     ready: int
     batch_groups: int
     waiting: tuple[Running, ...]
+    running: tuple[Running, ...] = ()
 
 
 @dataclass(frozen=True)

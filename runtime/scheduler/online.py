@@ -22,6 +22,13 @@ repairs the plan online (``long-tail-rollouts.md`` sections 1, 4.2 and 5):
   other work is handed out or a whole batch of them has gathered, so that the long runs hold
   one step instead of every step. A prompt is deferred at most once per epoch, so the tail
   round is never deferred again.
+- **Tail lane** (``tail_instances``): instances the plan leaves out, whose load the layer caps
+  at ``tail_max_seqs`` sequences, so that a sequence there decodes near its single-sequence
+  speed. A running group whose projected finish on its bulk instance misses its deadline (the
+  start of the step that must consume it: the publish of its start version plus
+  ``(η + 1)`` trainer periods less one trainer step), and would finish sooner on the tail lane,
+  is moved there with its partial output (``Move``), longest projected remainder first, while
+  the lane has room. The tail round of deferred prompts starts there too.
 """
 
 from __future__ import annotations
@@ -30,6 +37,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from runtime.protocol import Lane
 from runtime.scheduler.base import (
     Defer,
     GroupSpec,
@@ -39,6 +47,7 @@ from runtime.scheduler.base import (
     PlannedScheduler,
     Predictions,
     RolloutView,
+    Running,
 )
 from runtime.scheduler.cost_model import CostModel, iteration_estimate
 
@@ -64,6 +73,8 @@ class OnlinePlanned(PlannedScheduler):
         quantile: float = 0.9,
         defer_factor: float = 1.0,
         release_at: int | None = None,
+        tail_instances: Sequence[int] = (),
+        tail_max_seqs: int = 16,
     ) -> None:
         pred = predictions or Predictions.of(groups)
         super().__init__(
@@ -86,6 +97,23 @@ class OnlinePlanned(PlannedScheduler):
         c = float(np.mean([s.max_num_seqs for s in instances])) if instances else 1.0
         ctx = float(np.mean(pred.longest)) if len(pred.longest) else pred.default
         self.token_s = self.cost_model.decode_step_s(int(c), c * ctx)
+        self.tail_ids = set(tail_instances) & set(self.specs)
+        """The tail lane: never handed planned work (the plan is made without them)."""
+        self.active -= self.tail_ids
+        self.tail_active = set(self.tail_ids)
+        self.tail_max_seqs = tail_max_seqs
+        self.tail_token_s = self.cost_model.decode_step_s(tail_max_seqs, tail_max_seqs * ctx)
+        self._tail_seqs = dict.fromkeys(self.tail_ids, 0)
+        """Sequences the layer put on each tail instance (moved or started) and not yet back."""
+        self._on_tail: dict[int, int] = {}
+        """Prompt id -> the tail instance it runs on."""
+        self.moved: set[int] = set()
+        """Prompts moved to the tail lane this epoch (each at most once)."""
+        self.train_s = self.cost_model.trainer_step_s(
+            float(np.mean(pred.tokens)) * batch_groups if len(pred.tokens) else 0.0
+        )
+        self._published: dict[int, float] = {}
+        """When each weight version was first seen (its publish, to the layer)."""
         self._ratios: list[float] = []
         self._ratio_q = 2.0  # until enough groups have finished
         self._ratio_mid = 1.0
@@ -111,6 +139,7 @@ class OnlinePlanned(PlannedScheduler):
     # --- length learning ----------------------------------------------------------------------
     def on_group_finished(self, prompt_id: int, instance_id: int, lengths: Sequence[int]) -> None:
         super().on_group_finished(prompt_id, instance_id, lengths)
+        self._leave_tail(prompt_id)
         g = self.index.get(prompt_id)
         if g is None or not lengths:
             return
@@ -132,6 +161,12 @@ class OnlinePlanned(PlannedScheduler):
 
     # --- serving ------------------------------------------------------------------------------
     def next_groups(self, instance_id: int, max_groups: int) -> list[int]:
+        if instance_id in self.tail_active:
+            room = (self.tail_max_seqs - self._tail_seqs[instance_id]) // self._n_of_tail()
+            out = self._from_tail(min(max_groups, room))
+            for p in out:
+                self._join_tail(p, instance_id)
+            return out
         if instance_id not in self.active or max_groups <= 0:
             return []
         if self.tail and (self._releasing or len(self.tail) >= self.release_at):
@@ -144,6 +179,8 @@ class OnlinePlanned(PlannedScheduler):
         return out
 
     def _from_tail(self, k: int) -> list[int]:
+        if k <= 0:
+            return []
         take, self.tail = self.tail[:k], self.tail[k:]
         if not self.tail:
             self._releasing = False
@@ -152,6 +189,8 @@ class OnlinePlanned(PlannedScheduler):
         return [self.groups[g].prompt_id for g in take]
 
     def requeue(self, prompt_ids: Sequence[int]) -> None:
+        for p in prompt_ids:
+            self._leave_tail(p)
         back = [p for p in prompt_ids if p in self._deferring]
         if back:
             for p in back:
@@ -168,6 +207,36 @@ class OnlinePlanned(PlannedScheduler):
     def pending_groups(self) -> list[int]:
         return super().pending_groups() + [self.groups[g].prompt_id for g in self.tail]
 
+    # --- the tail lane ------------------------------------------------------------------------
+    def lane(self, instance_id: int) -> Lane:
+        return Lane.TAIL if instance_id in self.tail_ids else Lane.BULK
+
+    def _n_of_tail(self) -> int:
+        return max(1, self.groups[self.tail[0]].n) if self.tail else 1
+
+    def _join_tail(self, prompt_id: int, instance_id: int) -> None:
+        g = self.index.get(prompt_id)
+        self._on_tail[prompt_id] = instance_id
+        self._tail_seqs[instance_id] += self.groups[g].n if g is not None else 1
+
+    def _leave_tail(self, prompt_id: int) -> None:
+        i = self._on_tail.pop(prompt_id, None)
+        if i is not None:
+            g = self.index.get(prompt_id)
+            self._tail_seqs[i] -= self.groups[g].n if g is not None else 1
+
+    def on_instance_paused(self, instance_id: int) -> None:
+        if instance_id in self.tail_ids:
+            self.tail_active.discard(instance_id)
+        else:
+            super().on_instance_paused(instance_id)
+
+    def on_instance_resumed(self, instance_id: int) -> None:
+        if instance_id in self.tail_ids:
+            self.tail_active.add(instance_id)
+        else:
+            super().on_instance_resumed(instance_id)
+
     def priority(self, prompt_id: int) -> int:
         g = self.index.get(prompt_id)
         return TAIL_PRIORITY if g is not None and g in self._tail_started else 0
@@ -180,6 +249,7 @@ class OnlinePlanned(PlannedScheduler):
                 self.period_s = span if self._measured == 0 else 0.7 * self.period_s + 0.3 * span
                 self._measured += 1
             self._version, self._version_at = version, now
+            self._published.setdefault(version, now)
             return self.period_s > 0
         return self.period_s > 0 and now >= self._next_check
 
@@ -205,7 +275,47 @@ class OnlinePlanned(PlannedScheduler):
                 )
             else:
                 soonest = min(soonest, left_s)
+        out.extend(self._to_tail(view))
         # Look again when the first of the kept ones should have finished: if it has not, it
         # has run past its estimate, and the estimate grows.
-        self._next_check = view.now + max(0.05 * self.period_s, soonest)
+        step = max(0.05 * self.period_s, soonest)
+        if self.tail_active:
+            step = min(step, 0.1 * self.period_s)
+        self._next_check = view.now + step
+        return out
+
+    def deadline(self, start_version: int) -> float:
+        """When the step that must consume a group started at ``start_version`` is expected to
+        start: η + 1 trainer periods after that version's publish, less one trainer step."""
+        published = self._published.get(start_version, self._version_at)
+        return published + (self.lag_bound + 1) * self.period_s - self.train_s
+
+    def _to_tail(self, view: RolloutView) -> list[Move]:
+        """Moves of the running groups that miss their deadline on a bulk instance and would
+        finish sooner on the tail lane, longest projected remainder first, while it has room."""
+        if not self.tail_active:
+            return []
+        late: list[tuple[float, Running, int]] = []
+        for r in view.running:
+            g = self.index.get(r.prompt_id)
+            if g is None or r.instance_id in self.tail_ids or r.prompt_id in self.moved:
+                continue
+            generated = max(0.0, view.now - r.dispatched_at) / self.token_s
+            left = self.estimate(g, generated) - generated
+            if view.now + left * self.token_s <= self.deadline(r.start_version):
+                continue
+            # The move's prefill of prompt plus partial output is the tail's price; it pays
+            # when the remainder's saving exceeds it.
+            saving = left * (self.token_s - self.tail_token_s)
+            if saving > self.cost_model.prefill_s(self.groups[g].n * generated):
+                late.append((left, r, self.groups[g].n))
+        late.sort(key=lambda x: -x[0])
+        out: list[Move] = []
+        for _, r, n in late:
+            to = max(self.tail_active, key=lambda i: (-self._tail_seqs[i], -i))
+            if self._tail_seqs[to] + n > self.tail_max_seqs:
+                break
+            self.moved.add(r.prompt_id)
+            self._join_tail(r.prompt_id, to)
+            out.append(Move(r.group_id, to, TAIL_PRIORITY))
         return out

@@ -42,6 +42,14 @@ def _validate(
             raise ValueError(f"instances[{s.instance_id}].max_num_seqs must be >= 1")
 
 
+def tail_lane(instances: Sequence[InstanceSpec], count: int) -> list[int]:
+    """The ids of the instances kept for the tail lane: the last ``count``, never all."""
+    if count < 0:
+        raise ValueError(f"tail_instances: {count} must be >= 0")
+    k = min(count, len(instances) - 1)
+    return [s.instance_id for s in instances[len(instances) - k :]] if k > 0 else []
+
+
 def make_scheduler(
     policy: str,
     groups: Sequence[GroupSpec],
@@ -52,11 +60,15 @@ def make_scheduler(
     cost_model: CostModel | None = None,
     seed: int = 0,
     dispatch: str = "continuous",
+    tail_instances: int = 0,
+    tail_max_seqs: int = 16,
 ) -> Scheduler:
     """Plan one epoch with ``policy`` and return the scheduler that serves and repairs it.
 
     ``dispatch`` is the controller's dispatch mode (``scheduler.dispatch`` in the config); asp
-    scores its candidate plans under it."""
+    scores its candidate plans under it. asp keeps the last ``tail_instances`` instances for its
+    tail lane, loaded with at most ``tail_max_seqs`` sequences each (off by default: on the
+    grouped traces deferral alone does better, see docs/scheduling.md)."""
     if policy not in POLICIES:
         raise ValueError(f"policy: {policy!r} is not one of {', '.join(POLICIES)}")
     _validate(groups, instances, batch_groups, lag_bound)
@@ -70,9 +82,11 @@ def make_scheduler(
     else:
         from runtime.scheduler.asp import plan_asp
 
+        tail = tail_lane(instances, tail_instances)
+        bulk = [s for s in instances if s.instance_id not in tail]
         plan, info = plan_asp(
             groups,
-            instances,
+            bulk,
             batch_groups=batch_groups,
             lag_bound=lag_bound,
             cost_model=cost_model,
@@ -92,6 +106,8 @@ def make_scheduler(
             cost_model=cost_model,
             predictions=predictions,
             steal=True,
+            tail_instances=tail,
+            tail_max_seqs=tail_max_seqs,
         )
         s.predicted_breakdown = info.predicted_breakdown
         s.plan_info = info

@@ -214,9 +214,11 @@ def simulate(
     prompt_tokens: Mapping[int, int] | None = None,
     dispatch: str = "continuous",
     sorting_baseline: float | None = None,
+    scheduling_policy: str = "fcfs",
 ) -> SimResult:
     """Run ``scheduler``'s plan against ``actual`` lengths (prompt_id -> the n output lengths):
-    the live controller's core, simulated instances and a simulated trainer (:class:`SimRun`)."""
+    the live controller's core, simulated instances and a simulated trainer (:class:`SimRun`).
+    ``scheduling_policy``: the engines' waiting queue (``rollout.scheduling_policy``)."""
     cost = cost_model or CostModel()
     if dispatch not in ("continuous", "minibatch"):
         raise ValueError(f"dispatch: {dispatch!r} is not one of continuous, minibatch")
@@ -236,6 +238,7 @@ def simulate(
         batch_groups=batch_groups,
         lag_bound=lag_bound,
         dispatch=dispatch,
+        scheduling_policy=scheduling_policy,
     )
     run.run()
     return run.result(sorting_baseline)
