@@ -35,7 +35,7 @@ from asp_tui.widgets.dialogs import ConfirmDialog, HelpScreen, LagBoundDialog, S
 from asp_tui.widgets.events import EventLog
 from asp_tui.widgets.header import RunHeader
 from asp_tui.widgets.instances import InstanceTable
-from asp_tui.widgets.meters import LagMeter, QueueMeter, TrainerMeter
+from asp_tui.widgets.meters import LagMeter, QueueMeter, SchedulerMeter, TrainerMeter
 from runtime.protocol import (
     Command,
     CommandReply,
@@ -152,9 +152,11 @@ class Dashboard(App[int]):
                     yield LagMeter(id="lag", classes="panel")
                     yield TrainerMeter(id="trainer", classes="panel")
                 yield BubblePanel(id="bubbles", classes="panel")
+                yield SchedulerMeter(id="scheduler", classes="panel")
             with Vertical(id="main"):
                 yield Input(
-                    placeholder="filter: ids and/or a state (e.g. 'paused' or '3')", id="filter"
+                    placeholder="filter: ids, a state and/or a lane (e.g. 'paused', 'tail' or '3')",
+                    id="filter",
                 )
                 yield InstanceTable(id="instances")
         yield EventLog(id="events")
@@ -170,6 +172,7 @@ class Dashboard(App[int]):
         self.lag_meter = self.query_one(LagMeter)
         self.trainer_meter = self.query_one(TrainerMeter)
         self.bubble_panel = self.query_one(BubblePanel)
+        self.scheduler_meter = self.query_one(SchedulerMeter)
         self.table = self.query_one(InstanceTable)
         self.event_log = self.query_one(EventLog)
         self.filter_input = self.query_one("#filter", Input)
@@ -294,6 +297,7 @@ class Dashboard(App[int]):
                 },
             )
             self.bubble_panel.show(snapshot, wide=self.wide)
+            self.scheduler_meter.show(snapshot, model.predictor_rho, wide=self.wide)
             table = self.table
             self.marked &= {instance.instance_id for instance in snapshot.instances}
             shown = table.sync(snapshot.instances, model.pending, self.marked)

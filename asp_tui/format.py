@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 
-from runtime.protocol import BUBBLE_CATEGORIES, InstanceSnapshot, Snapshot
+from runtime.protocol import BUBBLE_CATEGORIES, InstanceSnapshot, Lane, Snapshot
 
 STATE_GLYPHS = {
     "running": "▶",
@@ -115,6 +115,16 @@ def top_cause_words(bubbles: dict[str, float], short: bool = False) -> str:
     return f"top loss: {words} {share:.0%}"
 
 
+def rho_text(rho: float | None) -> str:
+    """The predictor's rank correlation, or ``–`` when the step had none to rank."""
+    return "–" if rho is None else f"{rho:.2f}"
+
+
+def ratio_text(ratio: float | None) -> str:
+    """Median actual/predicted as a factor (``×1.08``: 8% longer than predicted)."""
+    return "–" if ratio is None else f"×{ratio:.2f}"
+
+
 def percent(value: float) -> str:
     return f"{value * 100:.0f}%"
 
@@ -153,6 +163,7 @@ def instance_line(instance: InstanceSnapshot) -> str:
         f"in-flight {instance.in_flight_groups:>3} groups / {instance.running_seqs:>3} seqs  "
         f"{instance.tokens_per_s:>8.0f} tok/s  v{instance.weight_version} "
         f"(behind {instance.versions_behind})  bubble {percent(instance.bubble_share)}"
+        + (f"  {instance.lane} lane" if instance.lane != Lane.BULK else "")
         + (f"  [{instance.pending}]" if instance.pending else "")
     )
 
@@ -173,6 +184,10 @@ def once_text(snapshot: Snapshot, endpoint: str = "") -> str:
         f"{snapshot.trainer.samples_per_s:.1f} samples/s",
         f"step path wait for batch {snapshot.trainer.wait_batch_s:.2f}s  "
         f"train {snapshot.trainer.train_s:.2f}s  weight sync {snapshot.trainer.sync_s:.2f}s",
+        f"scheduler deferred {snapshot.deferred_groups}  migrated {snapshot.migrated_groups}  "
+        f"(last step {snapshot.trainer.deferred}, {snapshot.trainer.migrated})  "
+        f"predictor on the last batch: longest ρ {rho_text(snapshot.trainer.predictor_longest_rho)}"
+        f"  actual/predicted {ratio_text(snapshot.trainer.predictor_longest_ratio)}",
     ]
     for title, bubbles in (("window", snapshot.bubbles_window), ("run", snapshot.bubbles_total)):
         shares = normalised(bubbles)

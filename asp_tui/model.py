@@ -89,6 +89,8 @@ class DashboardModel:
         self.loss: deque[float] = deque(maxlen=SPARK_POINTS)
         self.iteration_s: deque[float] = deque(maxlen=SPARK_POINTS)
         self.samples_per_s: deque[float] = deque(maxlen=SPARK_POINTS)
+        self.predictor_rho: deque[float] = deque(maxlen=SPARK_POINTS)
+        """Per step that had one: the predictor's ρ over the batch's longest samples."""
         self._last_step: int | None = None
         self._last_queue_sample: float | None = None
 
@@ -106,6 +108,8 @@ class DashboardModel:
             self.loss.append(trainer.loss)
             self.iteration_s.append(trainer.iteration_s)
             self.samples_per_s.append(trainer.samples_per_s)
+            if trainer.predictor_longest_rho is not None:
+                self.predictor_rho.append(trainer.predictor_longest_rho)
         self._last_step = snapshot.step
         self.snapshot = snapshot
         if not backfill:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import math
 import random
 
-from runtime.protocol import Event, InstanceSnapshot, LagStats, Snapshot, TrainerSnapshot
+from runtime.protocol import Event, InstanceSnapshot, LagStats, Lane, Snapshot, TrainerSnapshot
 
 BASE_TIME = 1_780_000_000.0
 """A fixed wall-clock time for sample data (2026-05-28 UTC)."""
@@ -40,6 +40,7 @@ def sample_instances(count: int, step: int, seed: int = 0) -> list[InstanceSnaps
                 versions_behind=max(step - version, 0),
                 bubble_share=round(0.05 + 0.3 * rng.random(), 3),
                 restarts=1 if state == "down" else 0,
+                lane=Lane.TAIL if i % 8 == 6 else Lane.BULK,
             )
         )
     return instances
@@ -68,6 +69,8 @@ def sample_snapshot(
         consumed_groups=step * 8,
         discarded_groups=0,
         requeued_groups=3,
+        deferred_groups=step // 3,
+        migrated_groups=step // 5,
         lag=LagStats(mean=0.84, p95=2.0, max=2, span_max=1, histogram=[51, 198, 87]),
         trainer=TrainerSnapshot(
             state="training",
@@ -79,6 +82,10 @@ def sample_snapshot(
             wait_batch_s=0.4 + 0.1 * wave,
             train_s=2.3,
             sync_s=0.2,
+            deferred=int(step % 3 == 0),
+            migrated=int(step % 5 == 0),
+            predictor_longest_rho=round(0.6 + 0.2 * math.sin(step / 3), 3),
+            predictor_longest_ratio=1.08,
         ),
         bubbles_window={
             "useful": 0.58,

@@ -265,6 +265,14 @@ BUBBLE_CATEGORIES = ("useful", "padding", "skewness", "sorting", "sync", "paused
 INSTANCE_STATES = ("starting", "running", "paused", "syncing", "down")
 
 
+class Lane(enum.StrEnum):
+    """What a rollout instance is kept for: the bulk of the plan, or the tail lane, where the
+    controller caps its load so that a moved straggler decodes near its single-sequence speed."""
+
+    BULK = "bulk"
+    TAIL = "tail"
+
+
 class InstanceSnapshot(msgspec.Struct, omit_defaults=True, kw_only=True):
     instance_id: int
     state: str
@@ -277,6 +285,8 @@ class InstanceSnapshot(msgspec.Struct, omit_defaults=True, kw_only=True):
     bubble_share: float = 0.0
     restarts: int = 0
     pending: str = ""
+    lane: Lane = Lane.BULK
+    """The scheduler's ``lane`` for the instance (on the wire as its string)."""
 
 
 class LagStats(msgspec.Struct, omit_defaults=True, kw_only=True):
@@ -300,6 +310,12 @@ class TrainerSnapshot(msgspec.Struct, omit_defaults=True, kw_only=True):
     publish), and loading the previous weights on every instance."""
     train_s: float = 0.0
     sync_s: float = 0.0
+    deferred: int = 0
+    """Last step: groups deferred and migrated since the step before (``StepRecord``)."""
+    migrated: int = 0
+    predictor_longest_rho: float | None = None
+    """Last step: the predictor against this batch's longest samples (``StepRecord``)."""
+    predictor_longest_ratio: float | None = None
 
 
 class Snapshot(_Message):
@@ -321,6 +337,10 @@ class Snapshot(_Message):
     consumed_groups: int = 0
     discarded_groups: int = 0
     requeued_groups: int = 0
+    deferred_groups: int = 0
+    """Groups the scheduler deferred (aborted, to regenerate later), in this controller's life."""
+    migrated_groups: int = 0
+    """Groups moved to another instance with their partial output, in this controller's life."""
     lag: LagStats = msgspec.field(default_factory=LagStats)
     trainer: TrainerSnapshot = msgspec.field(default_factory=TrainerSnapshot)
     bubbles_window: dict[str, float] = {}
@@ -331,14 +351,6 @@ class Snapshot(_Message):
     auth_refused: dict[str, int] = {}
     """Clients refused so far, per socket: unknown keys, roles not allowed on that socket, and
     (under ``control``) commands the client's role may not send."""
-
-
-class Lane(enum.StrEnum):
-    """What a rollout instance is kept for: the bulk of the plan, or the tail lane, where the
-    controller caps its load so that a moved straggler decodes near its single-sequence speed."""
-
-    BULK = "bulk"
-    TAIL = "tail"
 
 
 class EventKind(enum.StrEnum):

@@ -84,12 +84,21 @@ class StepRecord(msgspec.Struct, tag_field="event", tag="step", kw_only=True):
     """Groups discarded or aborted (and re-queued) so far to keep the bound."""
     skipped_groups_total: int
     """Groups dropped so far because a reward function failed."""
+    deferred: int
+    """Groups the scheduler deferred (aborted, to regenerate later) since the previous step."""
+    migrated: int
+    """Groups moved to another instance with their partial output since the previous step."""
     reward_functions: dict[str, float] | msgspec.UnsetType = msgspec.UNSET
     """Mean score of each reward function over the batch (when the task has several)."""
     predictor_rho: float | msgspec.UnsetType | None = msgspec.UNSET
     """Spearman ρ of predicted against observed group lengths this epoch (None: undefined)."""
     predictor_mape: float | msgspec.UnsetType = msgspec.UNSET
     """MAPE of the same (both written once two groups are known)."""
+    predictor_longest_rho: float | None
+    """Spearman ρ of the plan's predicted against the actual longest sample, over the batch's
+    groups that had a prediction (None: fewer than three, or undefined)."""
+    predictor_longest_ratio: float | None
+    """Median actual/predicted longest sample over the same groups (None: none had one)."""
     bubble_useful: float
     """Measured fraction of rollout capacity since the previous step, per category; the eight
     ``bubble_*`` fields sum to 1."""
@@ -139,11 +148,17 @@ def step_record(
     predicted_bubbles: Mapping[str, float],
     reward_functions: Mapping[str, float] | None = None,
     observed_lengths: Sequence[tuple[float, float]] = (),
+    deferred: int = 0,
+    migrated: int = 0,
+    longest_lengths: Sequence[tuple[float, float]] = (),
     time: float,
 ) -> StepRecord:
     """Build a step's record. ``lag`` is the batch's lag statistics; ``bubbles`` and
     ``predicted_bubbles`` map a ``BUBBLE_CATEGORIES`` entry to its fraction (predicted may be
-    empty); ``observed_lengths`` holds (predicted, actual) group lengths of this epoch."""
+    empty); ``observed_lengths`` holds (predicted, actual) group lengths of this epoch, and
+    ``longest_lengths`` (predicted, actual) longest samples of this batch's groups."""
+    from runtime.scheduler.lengths import longest_quality, predictor_quality
+
     extra: dict[str, Any] = {f"bubble_{c}": float(bubbles[c]) for c in BUBBLE_CATEGORIES}
     for category, value in predicted_bubbles.items():
         if category not in BUBBLE_CATEGORIES:
@@ -154,12 +169,11 @@ def step_record(
     if reward_functions:
         extra["reward_functions"] = dict(reward_functions)
     if len(observed_lengths) >= 2:
-        from runtime.scheduler.lengths import predictor_quality
-
         predicted, actual = zip(*observed_lengths, strict=True)
         rho, mape = predictor_quality(predicted, actual)
         extra["predictor_rho"] = None if np.isnan(rho) else rho
         extra["predictor_mape"] = mape
+    longest_rho, longest_ratio = longest_quality(longest_lengths)
     iteration_s = max(iteration_s, 1e-9)
     return StepRecord(
         step=step,
@@ -196,6 +210,10 @@ def step_record(
         epoch=epoch,
         discarded_total=discarded_total,
         skipped_groups_total=skipped_groups_total,
+        deferred=deferred,
+        migrated=migrated,
+        predictor_longest_rho=longest_rho,
+        predictor_longest_ratio=longest_ratio,
         time=time,
         **extra,
     )

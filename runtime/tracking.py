@@ -47,8 +47,12 @@ NAMES: dict[str, str] = {
     "tokens_per_s": "throughput/tokens_per_s",
     "discarded_total": "groups/discarded_total",
     "skipped_groups_total": "groups/skipped_total",
+    "deferred": "groups/deferred",
+    "migrated": "groups/migrated",
     "predictor_rho": "predictor/rho",
     "predictor_mape": "predictor/mape",
+    "predictor_longest_rho": "predictor/longest_rho",
+    "predictor_longest_ratio": "predictor/longest_ratio",
 }
 """metrics.jsonl field -> tracker name. ``bubble_<c>`` -> ``bubble/<c>``, ``predicted_bubble_<c>``
 -> ``bubble_predicted/<c>``, ``reward_functions[fn]`` -> ``reward/<fn>``, ``tokens / samples`` ->

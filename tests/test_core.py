@@ -6,8 +6,10 @@ rule can be checked after every event. The wiring is tested with real processes 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
 
+import msgspec
 import numpy as np
 import pytest
 from hypothesis import given, settings
@@ -40,6 +42,8 @@ class Cluster:
         mode: str = "wait",
         steps: int = 1000,
         prompts: int = 64,
+        policy: str = "fifo",
+        seen_lengths: dict[int, list[int]] | None = None,
     ) -> None:
         self.config = load_config(
             SIM_CONFIG,
@@ -53,15 +57,21 @@ class Cluster:
                 "async.max_lag_bound=4",
                 f"async.on_lag_decrease={mode}",
                 f"task.num_prompts={prompts}",
+                f"scheduler.policy={policy}",
             ],
         )
         if prompts not in _TASKS:
             _TASKS[prompts] = load_task(self.config)
+        task = _TASKS[prompts]
+        if seen_lengths is not None:  # a task of its own, whose length history predicts these
+            task = load_task(self.config)
+            for prompt_id, lengths in seen_lengths.items():
+                task.lengths.observe(prompt_id, lengths)
         self.now = 0.0
         self.ledger = MemoryRecords()
         self.core = ControllerCore(
             self.config,
-            _TASKS[prompts],  # type: ignore[arg-type]
+            task,  # type: ignore[arg-type]
             clock=lambda: self.now,
             ledger=Ledger(self.ledger),
             make_scheduler=make_scheduler,
@@ -82,6 +92,10 @@ class Cluster:
         self.replies: list[P.CommandReply] = []
         self.lags: list[tuple[int, int]] = []  # (lag, bound in force) of every consumed group
         self.stop: A.StopRequested | None = None
+        self.records: list[dict] = []
+        """metrics.jsonl lines, step records among them."""
+        self.longest: Callable[[int], int] | None = None
+        """The longest sample ``finish`` makes for a group id (None: a few tokens each)."""
         self.apply(self.core.start())
 
     # --- plumbing -----------------------------------------------------------------------------
@@ -97,6 +111,8 @@ class Cluster:
                 self.replies.append(action.reply)
             elif isinstance(action, A.StopRequested):
                 self.stop = action
+            elif isinstance(action, A.Record):
+                self.records.append(action.record)
 
     def _to_instance(self, i: int, msg: object) -> None:
         if isinstance(msg, P.Generate):
@@ -151,15 +167,18 @@ class Cluster:
     def finish(self, i: int, gid: int) -> None:
         request, started_at = self.running[i].pop(gid)
         prefix = request.prefix or [_empty_partial(started_at)] * request.n
+        sizes = [len(p.token_ids) + 3 + k for k, p in enumerate(prefix)]
+        if self.longest is not None:
+            sizes = [size + self.longest(gid) - max(sizes) for size in sizes]
         completions = [
             P.Completion(
-                token_ids=np.zeros(len(p.token_ids) + 3 + k, dtype=np.int32),
-                logprobs=np.zeros(len(p.token_ids) + 3 + k, np.float32),
+                token_ids=np.zeros(size, dtype=np.int32),
+                logprobs=np.zeros(size, np.float32),
                 version_min=p.version_min if len(p.token_ids) else started_at,
                 version_max=self.version[i], finish_reason="stop", reward=1.0,
                 finished_at=self.now,
             )
-            for k, p in enumerate(prefix)
+            for p, size in zip(prefix, sizes, strict=True)
         ]  # fmt: skip
         done = P.GroupDone(
             group_id=gid, prompt_id=request.prompt_id, instance_id=i, completions=completions,
@@ -408,6 +427,43 @@ def test_a_migration_yields_to_a_finished_group_and_to_a_lost_target() -> None:
     drive(cluster, random.Random(8), 3)
     report = verify_records(cluster.ledger.records)
     assert report.ok, report.errors
+
+
+def test_a_step_record_carries_its_moves_and_the_predictors_score() -> None:
+    """Deferred and migrated are per step (deltas), the run's totals are in the snapshot, and the
+    plan's predicted longest samples are scored against the batch's actual ones."""
+    seen = {prompt_id: [50 + 7 * prompt_id] for prompt_id in range(64)}
+    cluster = started(
+        Cluster(eta=1, instances=2, batch=4, slots=4, policy="asp", seen_lengths=seen)
+    )
+    core, dispatcher, gov = cluster.core, cluster.core.dispatcher, cluster.core.governor
+    # The plan's prediction, read at dispatch: the prompt's one observed length.
+    assert gov.groups
+    assert all(r.predicted_longest == seen[r.prompt_id][0] for r in gov.groups.values())
+    core.work.scheduler.repair_due = lambda now, version: False  # only the moves made here
+    # Every group comes back with twice its predicted longest sample: ranked right, ratio 2.
+    cluster.longest = lambda gid: round(2 * gov.groups[gid].predicted_longest)
+    assert dispatcher.migrate(min(cluster.running[0]), 1)
+    cluster.apply(core.outbox.take())
+    cluster.confirm_moves()
+    assert dispatcher.defer(max(cluster.running[1]), "a straggler")
+    cluster.apply(core.outbox.take())
+    cluster.confirm_aborts()
+    drive(cluster, random.Random(9), 2)
+    steps = [r for r in cluster.records if r.get("event") == "step"]
+    assert [(r["deferred"], r["migrated"]) for r in steps] == [(1, 1), (0, 0)]
+    for record in steps:
+        assert record["predictor_longest_rho"] == pytest.approx(1.0)
+        assert record["predictor_longest_ratio"] == pytest.approx(2.0, rel=0.01)
+    snap = core.snapshot()
+    assert (snap.deferred_groups, snap.migrated_groups) == (1, 1)
+    assert (snap.trainer.deferred, snap.trainer.migrated) == (0, 0)  # the last step's
+    assert snap.trainer.predictor_longest_rho == pytest.approx(1.0)
+    assert [row.lane for row in snap.instances] == [P.Lane.BULK, P.Lane.BULK]
+    # The lane is the scheduler's, and crosses the wire as its word.
+    core.work.scheduler.lane = lambda i: P.Lane.TAIL if i == 1 else P.Lane.BULK
+    wire = msgspec.to_builtins(core.snapshot())
+    assert [row.get("lane", "bulk") for row in wire["instances"]] == ["bulk", "tail"]
 
 
 EVENTS = st.lists(

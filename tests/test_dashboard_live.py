@@ -25,6 +25,7 @@ import pytest
 from asp_tui import messages as msg
 from asp_tui.app import Dashboard, make_app
 from asp_tui.attach import print_once, stop_run
+from asp_tui.format import ratio_text, rho_text
 from asp_tui.link import LiveLink
 from asp_tui.model import Backoff, Link
 from asp_tui.widgets.instances import InstanceTable
@@ -33,7 +34,7 @@ from runtime.config import load_config
 from runtime.controller.client import ControlClient, write_run_config
 from runtime.launcher import spawn_controller, wait_for_controller
 from runtime.protocol import PauseInstances, Snapshot
-from runtime.rundir import RunDir
+from runtime.rundir import RunDir, read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -68,8 +69,10 @@ class Controller:
                 self.kill()
 
 
-def new_run(tmp: Path) -> Controller:
-    config = load_config(REPO / "configs" / "sim-8.yaml", ["trainer.steps=100000"], run_dir=tmp)
+def new_run(tmp: Path, *overrides: str) -> Controller:
+    config = load_config(
+        REPO / "configs" / "sim-8.yaml", ["trainer.steps=100000", *overrides], run_dir=tmp
+    )
     write_run_config(tmp, config)
     return Controller(tmp)
 
@@ -217,6 +220,55 @@ async def test_readonly_can_neither_pause_nor_change_the_bound(controller):
         "set_lag_bound",
     ]
     assert not of_type(seen, msg.InstancesPaused) and not of_type(seen, msg.LagBoundChanged)
+
+
+async def test_lanes_and_each_steps_scheduler_numbers_match_the_controller(tmp_path):
+    """The asp policy on the sim (it defers stragglers): the lane column is the controller's,
+    and the scheduler line shows the step record of the step on screen, from metrics.jsonl."""
+    run = new_run(tmp_path, "scheduler.policy=asp")
+    run.start()
+    try:
+        app = attach_app(run)
+        async with app.run_test(size=(80, 24)) as pilot:
+            await live(pilot, app)
+            model = app.model
+            await wait_until(
+                pilot,
+                lambda: model.snapshot.step >= 3 and model.seq_applied == model.snapshot.seq,
+                60,
+                "step 3 on screen",
+            )
+            snap = model.snapshot  # what the widgets show now (no await since the check)
+            text = str(app.scheduler_meter.text.render())
+            table = app.query_one(InstanceTable)
+            shown = {i: str(table.get_cell(str(i), "lane")) for i in table.shown_ids()}
+        assert shown == {row.instance_id: str(row.lane) for row in snap.instances}
+        assert {row.instance_id: row.lane for row in (await status(run)).instances} == {
+            row.instance_id: row.lane for row in snap.instances
+        }
+        steps = {}
+        for _ in range(50):  # the step's line may still be on its way to the file
+            metrics = RunDir(run.run_dir).metrics
+            steps = {r["step"]: r for r in read_jsonl(metrics) if r.get("event") == "step"}
+            if snap.step in steps:
+                break
+            await asyncio.sleep(0.1)
+        record = steps[snap.step]
+        assert (snap.trainer.deferred, snap.trainer.migrated) == (
+            record["deferred"],
+            record["migrated"],
+        )
+        assert f"deferred {record['deferred']} (run {snap.deferred_groups})" in text
+        assert f"migrated {record['migrated']} (run {snap.migrated_groups})" in text
+        rho, ratio = record["predictor_longest_rho"], record["predictor_longest_ratio"]
+        assert f"ρ {rho_text(rho)} {ratio_text(ratio)}" in text
+        assert ratio is not None  # asp planned every group with a prediction
+        # The run's totals count every step so far (and what happened since the last one).
+        before = [r for step, r in steps.items() if step <= snap.step]
+        assert snap.deferred_groups >= sum(r["deferred"] for r in before)
+        assert snap.migrated_groups >= sum(r["migrated"] for r in before)
+    finally:
+        run.stop()
 
 
 async def test_quitting_leaves_the_run_going(controller):

@@ -186,6 +186,28 @@ async def test_filter_shows_matching_rows_only():
         assert table.row_count == 64
 
 
+async def test_lanes_and_the_schedulers_step_are_shown_and_filterable():
+    """The lane column says bulk or tail by word; ``/tail`` keeps the tail lane; the scheduler
+    line shows the last step's deferred and migrated groups, the run's, and the predictor."""
+    app, _ = build(instances=16)
+    async with app.run_test(size=(80, 24)) as pilot:
+        await ready(pilot, app)
+        table = app.query_one(InstanceTable)
+        lanes = {i: str(table.get_cell(str(i), "lane")) for i in table.shown_ids()}
+        assert lanes[6] == lanes[14] == "tail"
+        assert {lanes[i] for i in lanes if i not in (6, 14)} == {"bulk"}
+        text = str(app.scheduler_meter.text.render())
+        snap = app.model.snapshot
+        assert f"deferred {snap.trainer.deferred} (run {snap.deferred_groups})" in text
+        assert f"migrated {snap.trainer.migrated} (run {snap.migrated_groups})" in text
+        assert f"ρ {snap.trainer.predictor_longest_rho:.2f} ×1.08" in text
+        await pilot.press("slash", *"tail", "enter")
+        await pilot.pause(0.2)
+        assert table.shown_ids() == [6, 14]
+    # One point per step that had a ρ: the 40 backfilled steps and the live one.
+    assert len(app.model.predictor_rho) == 41
+
+
 async def test_palette_has_live_entries_and_every_action():
     app, _ = build(instances=64)
     async with app.run_test(size=(140, 40)) as pilot:
@@ -289,6 +311,9 @@ def test_formatting():
         assert f"  {word}" in text
     assert "step      42/200" in text and "bound η=2" in text
     assert text.count("\ninstance ") == 64 and "refused" not in text
+    assert "scheduler deferred 14  migrated 8  (last step 1, 0)" in text
+    assert "longest ρ 0.80  actual/predicted ×1.08" in text
+    assert text.count(" tail lane") == 8  # every eighth instance, and no "bulk lane"
     refused = msgspec.structs.replace(sample_snapshot(), auth_refused={"control": 4, "rollout": 1})
     assert "refused   4 on control, 1 on rollout" in once_text(refused)
 

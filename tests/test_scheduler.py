@@ -15,6 +15,7 @@ from runtime.scheduler.asp import VARIANTS, build_variant
 from runtime.scheduler.lengths import (
     LengthHistory,
     LengthsFileError,
+    longest_quality,
     predictor_quality,
     read_lengths,
     write_lengths,
@@ -356,6 +357,21 @@ def test_bad_lengths_files_are_clear_errors(tmp_path, text, match):
     p.write_text(text)
     with pytest.raises(LengthsFileError, match=match):
         read_lengths(p)
+
+
+def test_longest_quality_ranks_and_scales_a_batch():
+    """Spearman rho and the median actual/predicted of (predicted, actual) longest samples."""
+    rho, ratio = longest_quality([(10, 12), (20, 18), (30, 33)])
+    assert rho == pytest.approx(1.0) and ratio == pytest.approx(1.1)  # of 1.2, 0.9, 1.1
+    rho, _ = longest_quality([(30, 12), (20, 18), (10, 33)])
+    assert rho == pytest.approx(-1.0)
+    # One swapped pair in four: 1 - 6·Σd²/(n(n²-1)) = 1 - 6·2/60.
+    rho, ratio = longest_quality([(1, 1), (2, 3), (3, 2), (4, 4)])
+    assert rho == pytest.approx(0.8) and ratio == pytest.approx((1 + 1) / 2)  # of 1, 1.5, 2/3, 1
+    assert longest_quality([(10, 20), (20, 10)]) == (None, pytest.approx(1.25))  # two: no rank
+    assert longest_quality([(10, 5), (10, 6), (10, 7)])[0] is None  # a constant prediction
+    assert longest_quality([(0, 4), (0, 6), (0.5, 8)])[1] == pytest.approx(6.0)  # over max(p, 1)
+    assert longest_quality([]) == (None, None)
 
 
 def test_predictor_quality_and_history():

@@ -81,6 +81,8 @@ def test_optional_fields_are_written_only_when_they_mean_something():
     line = _built().to_dict()
     assert line["event"] == "step" and line["step"] == line["version"] == 3
     assert line["pending_lag_bound"] is None  # always written, null when none
+    assert line["predictor_longest_rho"] is None and line["predictor_longest_ratio"] is None
+    assert line["deferred"] == line["migrated"] == 0
     assert line["reward_mean_rollout"] == 0.25 and line["tokens_per_s"] == 40.0
     for absent in ("reward_functions", "predictor_rho", "predictor_mape", "predicted_bubble_idle"):
         assert absent not in line
@@ -88,7 +90,13 @@ def test_optional_fields_are_written_only_when_they_mean_something():
         predicted_bubbles={"useful": 0.9, "idle": 0.1},
         reward_functions={"length": 0.5},
         observed_lengths=[(10.0, 10.0), (10.0, 12.0)],  # a tie in the prediction: rho undefined
+        deferred=2,
+        migrated=1,
+        longest_lengths=[(10.0, 15.0), (20.0, 20.0), (30.0, 24.0)],
     ).to_dict()
+    assert (full["deferred"], full["migrated"]) == (2, 1)
+    assert full["predictor_longest_rho"] == pytest.approx(1.0)
+    assert full["predictor_longest_ratio"] == pytest.approx(1.0)  # median of 1.5, 1, 0.8
     assert full["predicted_bubble_useful"] == 0.9 and "predicted_bubble_sync" not in full
     assert full["reward_functions"] == {"length": 0.5}
     assert full["predictor_rho"] is None and full["predictor_mape"] > 0

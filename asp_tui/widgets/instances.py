@@ -13,21 +13,23 @@ from textual.widgets.data_table import ColumnKey
 
 from asp_tui.format import percent, state_label
 from asp_tui.model import Pending
-from runtime.protocol import InstanceSnapshot
+from runtime.protocol import InstanceSnapshot, Lane
 
 COLUMNS = (
     ("mark", " ", 1),
     ("id", "id", 3),
     ("state", "state", 12),
+    ("lane", "lane", 4),
     ("inflight", "grp", 3),
     ("seqs", "seqs", 5),
     ("tps", "tok/s", 5),
     ("version", "ver", 4),
-    ("behind", "behind", 6),
-    ("bubble", "bubble", 6),
+    ("behind", "bhd", 3),
+    ("bubble", "bub%", 4),
     ("note", "note", 12),
 )
-"""Fixed widths (key, label, width) that fit 80 columns, so values never reflow the table."""
+"""Fixed widths (key, label, width) that fit 80 columns, so values never reflow the table
+(``bhd``: weight versions behind the trainer; ``bub%``: the window's bubble share)."""
 
 STATE_THEME = {
     "running": "success",
@@ -149,6 +151,8 @@ class InstanceTable(DataTable):
             "●" if marked else " ",
             str(instance.instance_id),
             self._state_cell(instance, pending),
+            # The tail lane is the exception worth seeing at a glance (by word, in bold).
+            Text(instance.lane, style="bold") if instance.lane != Lane.BULK else instance.lane,
             str(instance.in_flight_groups),
             seqs,
             _rate(instance.tokens_per_s),
@@ -160,12 +164,17 @@ class InstanceTable(DataTable):
         )
 
     def matches(self, instance: InstanceSnapshot) -> bool:
-        """``/`` filter: every word must match the id (exactly) or the state (as a prefix)."""
+        """``/`` filter: every word must match the id (exactly), or the state or the lane (as a
+        prefix)."""
         for word in self.filter_text.lower().split():
             if word.isdigit():
                 if int(word) != instance.instance_id:
                     return False
-            elif not instance.state.startswith(word) and word not in (instance.pending or ""):
+            elif not (
+                instance.state.startswith(word)
+                or instance.lane.startswith(word)
+                or word in (instance.pending or "")
+            ):
                 return False
         return True
 

@@ -1,4 +1,4 @@
-"""Queue, lag and trainer meters: numbers in words plus sparklines."""
+"""Queue, lag, trainer and scheduler meters: numbers in words plus sparklines."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from textual.containers import Horizontal, Vertical
 from textual.content import Content
 from textual.widgets import Sparkline, Static
 
-from asp_tui.format import gauge
+from asp_tui.format import gauge, ratio_text, rho_text
 from runtime.protocol import Snapshot
 
 
@@ -149,3 +149,55 @@ class TrainerMeter(Vertical):
         for key, template in self.ROWS:
             self.texts[key].update(template.format(values[key]), layout=False)
             _set_data(self.sparks[key], series[key])
+
+
+class SchedulerMeter(Vertical):
+    """What the scheduler did about stragglers, in the last step and in the run (groups
+    deferred, groups migrated), and how well its length predictor ranked and scaled the last
+    batch's longest samples (Spearman ρ, median actual/predicted), with ρ per step.
+
+    Wide: three lines in a panel. Compact: one line, no border (the predictor's sparkline
+    hidden), so an 80×24 terminal gives up one table row for it."""
+
+    def __init__(self, *, id: str | None = None, classes: str | None = None) -> None:
+        super().__init__(id=id, classes=classes)
+        self.text = Static("", classes="meter-text")
+        self.predictor = Static("", classes="sched-predictor")
+        self.spark = Sparkline([], classes="sched-spark")
+
+    def compose(self) -> ComposeResult:
+        yield self.text
+        with Horizontal(classes="sched-row"):
+            yield self.predictor
+            yield self.spark
+
+    def on_mount(self) -> None:
+        self.border_title = "Scheduler"
+
+    def show(self, snapshot: Snapshot, rho_history: Sequence[float], wide: bool) -> None:
+        trainer = snapshot.trainer
+        rho = rho_text(trainer.predictor_longest_rho)
+        ratio = ratio_text(trainer.predictor_longest_ratio)
+        if wide:
+            width = len(str(max(trainer.deferred, snapshot.deferred_groups)))
+            text = Content.assemble(
+                ("step ", "bold"),
+                f" deferred {trainer.deferred:<{width}}  migrated {trainer.migrated}\n",
+                ("run  ", "bold"),
+                f" deferred {snapshot.deferred_groups:<{width}}  migrated "
+                f"{snapshot.migrated_groups}",
+            )
+            self.predictor.update(
+                Content.assemble(("predictor ", "bold"), f"ρ {rho}  actual/predicted {ratio} "),
+                layout=False,
+            )
+            _set_data(self.spark, rho_history)
+        else:
+            text = Content.assemble(
+                ("step ", "bold"),
+                f"deferred {trainer.deferred} (run {snapshot.deferred_groups})  "
+                f"migrated {trainer.migrated} (run {snapshot.migrated_groups})  ",
+                ("predictor ", "bold"),
+                f"ρ {rho} {ratio}",
+            )
+        self.text.update(text, layout=False)  # fixed height: no relayout per tick

@@ -6,6 +6,8 @@ the trainer's time to its condition; the snapshot operators see is built from th
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from runtime import protocol as P
 from runtime.bubbles import BubbleAccountant, free_slot_cause
 from runtime.config import Config
@@ -87,12 +89,15 @@ class Accounting:
         trainer: TrainerSide,
         predicted: dict[str, float],
         sync_s: float,
+        lane: Callable[[int], P.Lane],
         seq: int = 0,
     ) -> P.Snapshot:
+        """``lane`` is asked once per instance: keep it a lookup."""
         gov = governor
         self.window, self.shares, total = self.windows.tick(now)
         self.total = total.fractions
         m = trainer.last_metrics
+        r = trainer.last_record
         waiting = trainer.pending is not None and trainer.waiting_since
         trainer_row = P.TrainerSnapshot(
             state=trainer.condition if trainer.connected else "starting",
@@ -105,6 +110,10 @@ class Accounting:
             wait_batch_s=m.wait_batch_s if m else 0.0,
             train_s=m.step_s if m else 0.0,
             sync_s=sync_s,
+            deferred=r.deferred if r else 0,
+            migrated=r.migrated if r else 0,
+            predictor_longest_rho=r.predictor_longest_rho if r else None,
+            predictor_longest_ratio=r.predictor_longest_ratio if r else None,
         )
         rows = [
             P.InstanceSnapshot(
@@ -119,6 +128,7 @@ class Accounting:
                 bubble_share=self.shares.get(i, 0.0),
                 restarts=inst.restarts,
                 pending=inst.pending_text(now),
+                lane=lane(i),
             )
             for i, inst in sorted(self.instances.items())
         ]
@@ -142,6 +152,8 @@ class Accounting:
             consumed_groups=c.consumed,
             discarded_groups=c.discarded + c.aborted,
             requeued_groups=c.requeued,
+            deferred_groups=trainer.dispatcher.deferred,
+            migrated_groups=trainer.dispatcher.migrated,
             lag=trainer.last_lag,
             trainer=trainer_row,
             bubbles_window=self.window,

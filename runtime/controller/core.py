@@ -381,6 +381,7 @@ class ControllerCore:
             trainer=self.trainer,
             predicted=self.work.predicted_breakdown(),
             sync_s=self.fleet.last_sync_s,
+            lane=self.work.lane,
             seq=seq,
         )
 

@@ -151,6 +151,7 @@ class Dispatcher:
         record = self.governor.admit(
             gid, prompt_id, version, instance_id=inst.instance_id, epoch=epoch, at=now
         )
+        record.predicted_longest = self.work.predicted_longest(prompt_id, epoch)
         inst.in_flight[gid] = record
         self.ledger.dispatched(
             gid, prompt=prompt_id, epoch=epoch, instance=inst.instance_id, version=version

@@ -80,6 +80,9 @@ class GroupRecord:
     consumed_step: int | None = None
     result: Any = None
     """The ``GroupDone`` while the group is completed and not yet consumed."""
+    predicted_longest: float | None = None
+    """The scheduler's prediction of its longest sample, read at dispatch (None: it had none),
+    scored against what came when the group is consumed."""
 
     @property
     def sort_key(self) -> tuple[int, int, int]:

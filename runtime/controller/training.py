@@ -22,7 +22,7 @@ from runtime.controller.fleet import Fleet
 from runtime.controller.governor import LagGovernor, LagRecorder
 from runtime.controller.ledger import Ledger
 from runtime.controller.work import WorkQueue
-from runtime.records import step_record
+from runtime.records import StepRecord, step_record
 
 log = logging.getLogger(__name__)
 
@@ -38,6 +38,8 @@ class _BatchFacts:
     samples: int = 0
     rewards: list[float] = field(default_factory=list)
     reward_functions: dict[str, float] = field(default_factory=dict)
+    longest: list[tuple[float, float]] = field(default_factory=list)
+    """(predicted, actual) longest sample of each group the plan had a prediction for."""
 
 
 class TrainerSide:
@@ -81,6 +83,9 @@ class TrainerSide:
         self.last_samples_per_s = 0.0
         self.last_tokens_per_s = 0.0
         self.last_lag = P.LagStats()
+        self.last_record: StepRecord | None = None
+        self._moves_mark = (0, 0)
+        """The dispatcher's (deferred, migrated) counts at the previous step."""
         self.weights_path: dict[int, str] = {}
         self._batch = _BatchFacts()
         self.batch_bound = governor.lag_bound
@@ -182,8 +187,10 @@ class TrainerSide:
         groups = []
         recorder = LagRecorder()
         lags = []
+        longest_predicted = []
         for gid in plan.group_ids:
             record = gov.groups[gid]
+            longest_predicted.append(record.predicted_longest)
             result: P.GroupDone = record.result
             lag = gov.lag_of(gid)
             lags.append(lag)
@@ -207,6 +214,7 @@ class TrainerSide:
             samples=sum(len(g.completions) for g in groups),
             rewards=[c.reward for g in groups for c in g.completions],
             reward_functions=_per_function_means(groups),
+            longest=_longest_pairs(groups, longest_predicted),
         )
         return groups
 
@@ -239,13 +247,16 @@ class TrainerSide:
         self.fleet.publish_version(msg.version, msg.weights_path, now)
         self.outbox.to_trainer(P.TrainerAck(ok=True))
         record = self._step_record(step, msg, iteration, samples, tokens, now)
-        self.outbox.record(record, step=step + 1)
+        self.last_record = record
+        self.outbox.record(record.to_dict(), step=step + 1)
         return True
 
     def _step_record(
         self, step: int, msg: P.StepDone, iteration: float, samples: int, tokens: int, now: float
-    ) -> dict[str, Any]:
+    ) -> StepRecord:
         gov = self.governor
+        moves = (self.dispatcher.deferred, self.dispatcher.migrated)
+        (deferred_before, migrated_before), self._moves_mark = self._moves_mark, moves
         return step_record(
             step=step + 1,
             metrics=msg.metrics,
@@ -266,12 +277,26 @@ class TrainerSide:
             predicted_bubbles=self._predicted_bubbles(),
             reward_functions=self._batch.reward_functions,
             observed_lengths=self.work.observed_pairs,
+            deferred=moves[0] - deferred_before,
+            migrated=moves[1] - migrated_before,
+            longest_lengths=self._batch.longest,
             time=now,
-        ).to_dict()
+        )
 
     def weights_of(self, version: int) -> str | None:
         """Where StepDone said ``version`` lives (None: not told in this controller's life)."""
         return self.weights_path.get(version)
+
+
+def _longest_pairs(
+    groups: list[P.TrainGroup], predicted: list[float | None]
+) -> list[tuple[float, float]]:
+    """(predicted, actual) longest sample of each group that had a prediction."""
+    return [
+        (p, float(max(len(c.token_ids) for c in g.completions)))
+        for p, g in zip(predicted, groups, strict=True)
+        if p is not None and g.completions
+    ]
 
 
 def _per_function_means(groups: list[P.TrainGroup]) -> dict[str, float]:

@@ -265,6 +265,17 @@ class WorkQueue:
         queued = self.scheduler.pending(instance_id) if self.scheduler is not None else 0
         return queued + len(self.retry)
 
+    def lane(self, instance_id: int) -> P.Lane:
+        """The current scheduler's lane for ``instance_id`` (bulk before there is one)."""
+        return self.scheduler.lane(instance_id) if self.scheduler is not None else P.Lane.BULK
+
+    def predicted_longest(self, prompt_id: int, epoch: int) -> float | None:
+        """What the plan of ``epoch`` predicted for the prompt's longest sample (None: no
+        prediction, or that epoch's plan is gone)."""
+        if epoch != self.epoch or self.scheduler is None:
+            return None
+        return self.scheduler.predicted_longest(prompt_id)
+
     def new_group_id(self) -> int:
         gid = self.next_group_id
         self.next_group_id += 1

@@ -324,3 +324,24 @@ def predictor_quality(predicted: Sequence[float], actual: Sequence[float]) -> tu
     sp, sa = rp.std(), ra.std()
     rho = float(np.mean((rp - rp.mean()) * (ra - ra.mean())) / (sp * sa)) if sp and sa else math.nan
     return rho, mape
+
+
+MIN_RANKED_GROUPS = 3
+"""Groups ``longest_quality`` needs before it ranks them (two always rank ±1)."""
+
+
+def longest_quality(pairs: Sequence[tuple[float, float]]) -> tuple[float | None, float | None]:
+    """(Spearman rho, median actual/predicted) over (predicted, actual) longest samples, one
+    pair per group, e.g. a trainer step's batch. rho says whether the plan put the right groups
+    first, the ratio whether their scale was right (1: exact; divides by max(predicted, 1)).
+    rho is None under ``MIN_RANKED_GROUPS`` pairs or when either side is constant; both are
+    None with no pair."""
+    if not pairs:
+        return None, None
+    predicted = np.array([p for p, _ in pairs], dtype=float)
+    actual = np.array([a for _, a in pairs], dtype=float)
+    ratio = float(np.median(actual / np.maximum(predicted, 1.0)))
+    if len(pairs) < MIN_RANKED_GROUPS:
+        return None, ratio
+    rho, _ = predictor_quality(predicted, actual)
+    return (None if math.isnan(rho) else rho), ratio
