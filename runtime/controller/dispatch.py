@@ -253,7 +253,8 @@ class Dispatcher:
             Running(r.group_id, r.prompt_id, r.instance_id, r.start_version, r.dispatched_at)
             for inst in self.instances.values()
             for r in inst.in_flight.values()
-            if not r.aborting and r.group_id not in self._migrating
+            # The scheduler knows only its own epoch's groups.
+            if not r.aborting and r.group_id not in self._migrating and r.epoch == self.work.epoch
         )
         waiting: tuple[Running, ...] = ()
         if trainer_waits:

@@ -234,14 +234,13 @@ class WorkQueue:
     def request_next(self, specs: list[Any], bound: int) -> tuple[EpochPlan, Any] | None:
         """The epoch is handed out: the next one if it can be had now (inline planning), else
         None while it is being planned off the loop."""
-        if self.single_epoch:
-            return None
+        if self.single_epoch or self.planning:
+            return None  # planning again on every request would stall the loop
         plan = self.plan(self.epoch + 1, specs, bound, None)
         if self._request_plan is None:
             return plan, plan.make()
-        if not self.planning:
-            self.planning = True
-            self._request_plan(plan)
+        self.planning = True
+        self._request_plan(plan)
         return None
 
     # --- serving ------------------------------------------------------------------------------
