@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from runtime.auth import RunKeys, parse_public_key, parse_role, personal_key_file, read_keypair
@@ -132,9 +133,32 @@ def list_keys(run_dir: str) -> int:
     return EXIT_OK
 
 
+def _is_public_key(arg: str) -> bool:
+    try:
+        parse_public_key(arg)
+    except ValueError:
+        return False
+    return True
+
+
+class _KeysParser(argparse.ArgumentParser):
+    """Takes a public key that starts with ``-`` (Z85 allows it) as PUBKEY, not as an option."""
+
+    def parse_known_args(  # type: ignore[override]
+        self, args: Sequence[str] | None = None, namespace: argparse.Namespace | None = None
+    ) -> tuple[argparse.Namespace, list[str]]:
+        if args is not None and "--" not in args:
+            dashed = [a for a in args if a.startswith("-") and _is_public_key(a)]
+            if dashed:
+                args = [*(a for a in args if a not in dashed), "--", *dashed]
+        return super().parse_known_args(args, namespace)
+
+
 def add_keys_parser(commands: argparse._SubParsersAction) -> None:
     keys = commands.add_parser("keys", help="key pairs and who may connect to a run")
-    sub = keys.add_subparsers(dest="keys_command", metavar="ACTION", required=True)
+    sub = keys.add_subparsers(
+        dest="keys_command", metavar="ACTION", required=True, parser_class=_KeysParser
+    )
     new = sub.add_parser("new", help="make your own key pair and print its public key")
     new.add_argument("--out", help=f"where (default {personal_key_file()})")
     new.add_argument("--force", action="store_true", help="replace an existing key pair")

@@ -42,6 +42,18 @@ def test_new_show_add_list(tmp_path, run_keys, capsys, monkeypatch):
     assert "not among the keys authorized" in capsys.readouterr().err
 
 
+def test_a_key_that_starts_with_a_dash_is_a_key_not_an_option(run_keys, capsys):
+    import zmq
+
+    public = next(k for k in iter(lambda: zmq.curve_keypair()[0].decode(), "") if k[0] == "-")
+    run = str(run_keys.dir.parent)
+    for argv in (["--role", "viewer", public], [public, "--role", "viewer", "--name", "bob"]):
+        assert main(["keys", "add", run, *argv]) == 0, capsys.readouterr().err
+        assert run_keys.roles()[public] is Role.VIEWER
+    assert main(["keys", "remove", run, public]) == 0
+    assert public not in run_keys.roles()
+
+
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
