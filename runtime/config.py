@@ -225,6 +225,18 @@ class SchedulerConfig(_Section):
     dispatch: Literal["minibatch", "continuous"] = "continuous"
     """``minibatch``: an instance takes its next minibatch when the last one finished (barrier);
     ``continuous``: a group is dispatched as soon as ``n`` slots are free."""
+    defer_factor: PositiveFloat = 1.0
+    """asp only: a running group the trainer waits on (the lag bound makes the next step
+    consume it) is deferred, aborted and its prompt regenerated later at a newer version, when
+    its projected remaining time exceeds ``defer_factor`` x the trainer period. Smaller defers
+    sooner."""
+    tail_instances: NonNegativeInt = 0
+    """asp only: the last ``tail_instances`` instances form the tail lane, left out of the plan
+    and kept for stragglers moved there and for deferred prompts (0: none). Fewer than
+    ``rollout.instances``: the plan needs one."""
+    tail_max_seqs: PositiveInt = 16
+    """asp only: the most sequences the tail lane loads on each of its instances, so that a
+    straggler there decodes near its single-sequence speed."""
 
 
 class LossConfig(_Section):
@@ -472,8 +484,23 @@ class Config(_Section):
                     f"GPU(s) for tensor_parallel_size {instance.tensor_parallel_size}; give one "
                     "per tensor-parallel rank"
                 )
+        self._check_tail_lane()
         self._check_hosts()
         return self
+
+    def _check_tail_lane(self) -> None:
+        sched, instances = self.scheduler, self.num_instances
+        if sched.tail_instances >= instances:
+            raise ValueError(
+                f"scheduler.tail_instances: {sched.tail_instances} must be less than "
+                f"rollout.instances ({instances}); the plan needs at least one instance that is "
+                "not in the tail lane"
+            )
+        if sched.tail_instances and sched.tail_max_seqs < self.rollout.sampling.n:
+            raise ValueError(
+                f"scheduler.tail_max_seqs: {sched.tail_max_seqs} is below rollout.sampling.n "
+                f"({self.rollout.sampling.n}); a tail instance must hold one group"
+            )
 
     def remote_hosts(self) -> dict[str, list[str]]:
         """Field -> the other hosts it names (``rollout.instances[i].host``, ``trainer.hosts``)."""

@@ -87,3 +87,59 @@ def test_cli_exits_2_on_a_bad_config_before_starting_anything(tmp_path: Path) ->
     assert result.returncode == 2
     assert "rollout.sampling.temperature" in result.stderr
     assert not (tmp_path / "run").exists()
+
+
+def test_asp_online_knobs_default_to_the_online_layers_own() -> None:
+    sched = load_config(REPO / "configs/tiny.yaml").scheduler
+    assert (sched.defer_factor, sched.tail_instances, sched.tail_max_seqs) == (1.0, 0, 16)
+    sched = load_config(
+        None,
+        ["scheduler.defer_factor=0.25", "scheduler.tail_instances=1", "scheduler.tail_max_seqs=8"],
+    ).scheduler
+    assert (sched.defer_factor, sched.tail_instances, sched.tail_max_seqs) == (0.25, 1, 8)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "field", "allowed"),
+    [
+        (["scheduler.defer_factor=0"], "scheduler.defer_factor", "greater than 0"),
+        (["scheduler.defer_factor=-0.5"], "scheduler.defer_factor", "greater than 0"),
+        (["scheduler.defer_factor=soon"], "scheduler.defer_factor", "valid number"),
+        (["scheduler.tail_instances=-1"], "scheduler.tail_instances", "greater than or equal to 0"),
+        (["scheduler.tail_instances=1.5"], "scheduler.tail_instances", "valid integer"),
+        (["scheduler.tail_max_seqs=0"], "scheduler.tail_max_seqs", "greater than 0"),
+        # The default is 2 instances: a tail lane of 2 would leave the plan none.
+        (["scheduler.tail_instances=2"], "scheduler.tail_instances", "less than rollout.instances"),
+        (
+            ["rollout.instances=1", "scheduler.tail_instances=1"],
+            "scheduler.tail_instances",
+            "must be less than rollout.instances (1)",
+        ),
+        (
+            ["scheduler.tail_instances=1", "scheduler.tail_max_seqs=2"],
+            "scheduler.tail_max_seqs",
+            "below rollout.sampling.n (4)",
+        ),
+    ],
+)
+def test_asp_online_knobs_are_validated(overrides: list[str], field: str, allowed: str) -> None:
+    with pytest.raises(ConfigError) as error:
+        load_config(None, overrides)
+    assert field in str(error.value)
+    assert allowed in str(error.value)
+
+
+def test_tail_max_seqs_below_n_is_fine_without_a_tail_lane() -> None:
+    assert load_config(None, ["scheduler.tail_max_seqs=2"]).scheduler.tail_max_seqs == 2
+
+
+def test_cli_exits_2_on_a_tail_lane_as_large_as_the_fleet(tmp_path: Path) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "asp_tui.cli", "run", "--headless", "--config",
+         str(REPO / "configs/tiny.yaml"), "--run-dir", str(tmp_path / "run"),
+         "--set", "scheduler.tail_instances=1"],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert result.returncode == 2
+    assert "scheduler.tail_instances: 1 must be less than rollout.instances (1)" in result.stderr
+    assert not (tmp_path / "run").exists()

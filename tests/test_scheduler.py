@@ -10,8 +10,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from runtime.config import load_config
+from runtime.controller.work import TaskData, WorkQueue
 from runtime.scheduler import CostModel, GroupSpec, InstanceSpec, make_scheduler
 from runtime.scheduler.asp import VARIANTS, build_variant
+from runtime.scheduler.base import Defer, Predictions, RolloutView, Running
 from runtime.scheduler.lengths import (
     LengthHistory,
     LengthsFileError,
@@ -103,6 +106,12 @@ def test_make_scheduler_rejects_bad_input():
         make_scheduler("fifo", g, inst, batch_groups=0, lag_bound=0)
     with pytest.raises(ValueError, match="instances"):
         make_scheduler("fifo", g, [], batch_groups=1, lag_bound=0)
+    with pytest.raises(ValueError, match="defer_factor"):
+        make_scheduler("asp", g, inst, batch_groups=1, lag_bound=0, defer_factor=0.0)
+    with pytest.raises(ValueError, match="max_tokens"):
+        make_scheduler("asp", g, inst, batch_groups=1, lag_bound=0, max_tokens=0)
+    with pytest.raises(ValueError, match="tail_max_seqs"):
+        make_scheduler("asp", g, inst, batch_groups=1, lag_bound=0, tail_max_seqs=0)
 
 
 def test_asp_reports_a_predicted_breakdown_and_picks_a_variant():
@@ -138,6 +147,98 @@ def test_asp_longest_first_spreads_the_long_tail_over_instances():
     )
     # Each instance starts with exactly one of the four long groups.
     assert sorted(plan.queues[i][0] for i in range(4)) == [0, 1, 2, 3]
+
+
+# --- the max_tokens cap ---------------------------------------------------------------------
+
+
+def test_predictions_never_exceed_max_tokens():
+    groups = groups_of([None, (40, 60), (100, 300), None], n=2)
+    free = Predictions.of(groups)
+    capped = Predictions.of(groups, limit=128)
+    # Each sample is capped, then averaged: the median of 50 and (100 + 128) / 2, not of 200.
+    assert free.default == 125.0 and capped.default == 82.0
+    assert capped.longest.tolist() == [82.0, 60.0, 128.0, 82.0]
+    assert capped.tokens.tolist() == [164.0, 100.0, 228.0, 164.0]
+    # With nothing known the fallback is the guess, and the cap bounds it too.
+    unknown = groups_of([None] * 3, n=4)
+    assert Predictions.of(unknown).default == 512.0
+    cold = Predictions.of(unknown, limit=128)
+    assert cold.default == 128.0 and cold.longest.max() == 128.0 and cold.tokens.max() == 512.0
+
+
+@pytest.mark.parametrize("policy", ["fifo", "sorted", "asp"])
+def test_every_policy_predicts_within_max_tokens(policy):
+    groups = groups_of([None] * 20 + [(900, 50)] * 4, n=2)
+    inst = [InstanceSpec(0, 8), InstanceSpec(1, 8)]
+    s = make_scheduler(policy, groups, inst, batch_groups=4, lag_bound=1, max_tokens=128)
+    longest = [s.predicted_longest(p) for p in range(24)]
+    assert max(longest) == 128.0 and longest[20:] == [128.0] * 4
+    if policy == "asp":
+        assert s.cap == 128.0
+        s.on_group_finished(0, 0, [128, 128])
+        s._ratio_mid = 3.0  # as if groups had run 3x their priors
+        assert s.estimate(1, 0.0) == 128.0
+        assert s.estimate(1, 10_000.0) == 128.0
+
+
+def waiting_view(s, generated: float) -> RolloutView:
+    """The trainer waits on prompt 0's group, which has run ``generated`` tokens' time."""
+    r = Running(group_id=0, prompt_id=0, instance_id=0, start_version=0, dispatched_at=0.0)
+    return RolloutView(generated * s.token_s, 0, 0, s.batch_groups, (r,), (r,))
+
+
+@pytest.mark.parametrize(("max_tokens", "deferred"), [(None, True), (128, False)])
+def test_no_history_is_no_reason_to_defer_a_group_max_tokens_will_end(max_tokens, deferred):
+    # The first epoch of a run: no length known, so every prediction is the fallback. Without
+    # the cap it says 512 tokens, and a group 20 tokens in looks like a straggler.
+    groups = groups_of([None] * 16, n=4)
+    inst = [InstanceSpec(0, 32)]
+    s = make_scheduler("asp", groups, inst, batch_groups=8, lag_bound=1, max_tokens=max_tokens)
+    s.period_s = 200 * s.token_s  # a trainer period: a 128-token group fits, 512 does not
+    out = s.repair(waiting_view(s, 20.0))
+    assert bool(out) is deferred
+    assert all(isinstance(d, Defer) for d in out)
+
+
+def test_defer_factor_sets_how_late_is_too_late():
+    groups = groups_of([(100, 100)] * 16, n=2)
+    inst = [InstanceSpec(0, 32)]
+    strict = make_scheduler("asp", groups, inst, batch_groups=8, lag_bound=1, defer_factor=0.25)
+    lenient = make_scheduler("asp", groups, inst, batch_groups=8, lag_bound=1)
+    assert (strict.defer_factor, lenient.defer_factor) == (0.25, 1.0)
+    for s in (strict, lenient):
+        s.period_s = 200 * s.token_s
+    # 100 tokens left: over a quarter period, inside a whole one.
+    assert [type(d) for d in strict.repair(waiting_view(strict, 0.0))] == [Defer]
+    assert lenient.repair(waiting_view(lenient, 0.0)) == []
+
+
+def test_work_queue_plans_with_the_configs_scheduler_knobs():
+    config = load_config(
+        None,
+        [
+            "scheduler.policy=asp",
+            "scheduler.defer_factor=0.5",
+            "scheduler.tail_instances=1",
+            "scheduler.tail_max_seqs=8",
+            "rollout.sampling.max_tokens=64",
+        ],
+    )
+    data = TaskData({0: "a", 1: "b"}, {}, "builtin:tiny", LengthHistory())
+    seen = {}
+    work = WorkQueue(
+        config,
+        data,
+        epoch=0,
+        consumed=(),
+        next_group_id=0,
+        request_plan=None,
+        make_scheduler=lambda *args, **kwargs: seen.update(kwargs),
+    )
+    work.plan(0, [InstanceSpec(0, 16), InstanceSpec(1, 16)], 1, None).make()
+    assert seen["defer_factor"] == 0.5 and seen["max_tokens"] == 64
+    assert seen["tail_instances"] == 1 and seen["tail_max_seqs"] == 8
 
 
 # --- online repair -------------------------------------------------------------------------

@@ -191,6 +191,10 @@ class WorkQueue:
             lag_bound=bound,
             seed=cfg.run.seed + epoch,
             dispatch=cfg.scheduler.dispatch,
+            defer_factor=cfg.scheduler.defer_factor,
+            tail_instances=cfg.scheduler.tail_instances,
+            tail_max_seqs=cfg.scheduler.tail_max_seqs,
+            max_tokens=cfg.rollout.sampling.max_tokens,
         )
         return EpochPlan(epoch, groups, bound, make)
 

@@ -152,28 +152,32 @@ def _durations(
     return mx * per_step
 
 
-def cap_share(groups: Sequence[GroupSpec]) -> float:
+def cap_share(groups: Sequence[GroupSpec], limit: float = math.inf) -> float:
     """The share of predicted samples within 2% of the longest prediction (the length cap, in
-    practice), at least ``MIN_TAIL_P``."""
+    practice; predictions are capped at ``limit``, max_tokens), at least ``MIN_TAIL_P``."""
     preds = [x for g in groups if g.predicted_lengths for x in g.predicted_lengths]
     if not preds:
         return MIN_TAIL_P
-    values = np.asarray(preds, dtype=float)
+    values = np.minimum(np.asarray(preds, dtype=float), limit)
     return max(MIN_TAIL_P, float(np.mean(values >= 0.98 * values.max())))
 
 
 def _noisy_actual(
-    groups: Sequence[GroupSpec], rng: np.random.Generator, sigma: float, dflt: float, tail_p: float
+    groups: Sequence[GroupSpec],
+    rng: np.random.Generator,
+    sigma: float,
+    pred: Predictions,
+    tail_p: float,
 ) -> dict[int, tuple[int, ...]]:
-    """Plausible actual lengths around the predictions: each sample is the prediction times
-    log-normal noise (mean 1), and with probability ``tail_p`` a degenerate run to the cap
-    (the longest prediction), the long tail that no single-sample prediction foresees."""
-    cap = max((max(g.predicted_lengths) for g in groups if g.predicted_lengths), default=dflt)
+    """Plausible actual lengths around the predictions (``pred``, the groups'): each sample is
+    the predicted mean times log-normal noise (mean 1), and with probability ``tail_p`` a
+    degenerate run to the cap (the longest prediction), the long tail that no single-sample
+    prediction foresees; none past ``pred.limit`` (max_tokens), where the engine cuts."""
+    cap = float(pred.longest.max()) if len(pred.longest) else pred.default
     out = {}
-    for g in groups:
-        base = np.mean(g.predicted_lengths) if g.predicted_lengths else dflt
-        x = base * rng.lognormal(-sigma * sigma / 2, sigma, size=g.n)
-        x = np.where(rng.random(g.n) < tail_p, max(cap, x.max()), x)
+    for k, g in enumerate(groups):
+        x = pred.tokens[k] / g.n * rng.lognormal(-sigma * sigma / 2, sigma, size=g.n)
+        x = np.minimum(np.where(rng.random(g.n) < tail_p, max(cap, x.max()), x), pred.limit)
         out[g.prompt_id] = tuple(np.maximum(1, np.round(x)).astype(int).tolist())
     return out
 
@@ -222,17 +226,16 @@ def plan_asp(
     if len(variants) == 1 or not groups:
         return build(variants[0]), AspInfo(variants[0])
     if tail_p is None:
-        tail_p = cap_share(groups)
+        tail_p = cap_share(groups, pred.limit)
     rng = np.random.default_rng(seed)
     # Score on a subsample with the cluster scaled down in proportion, so per-instance load,
     # batch size relative to capacity and the lag window look the same.
     sub_groups, sub_inst, sub_b = _subsample(groups, instances, batch_groups, rng)
-    sub_pred = Predictions.of(sub_groups)
+    # The whole epoch's default and cap: a subsample of unknowns must not fall back further.
+    sub_pred = Predictions.of(sub_groups, fallback=pred.default, limit=pred.limit)
     if len(groups) > 100_000:
         draws = 1  # keep 1M-group planning within seconds
-    actuals = [
-        _noisy_actual(sub_groups, rng, noise_sigma, sub_pred.default, tail_p) for _ in range(draws)
-    ]
+    actuals = [_noisy_actual(sub_groups, rng, noise_sigma, sub_pred, tail_p) for _ in range(draws)]
     scores: dict[str, float] = {}
     best = None
     for v in variants:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import heapq
 import itertools
+import math
 from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -158,16 +159,22 @@ class Predictions:
 
     ``default`` is the median predicted sample length; unknown predictions count as it per
     sample. A prediction may carry fewer values than ``n`` (one profiled sample, say): its mean
-    is scaled to ``n`` samples."""
+    is scaled to ``n`` samples. ``limit`` is the longest a sample can be (the sampling
+    ``max_tokens``): every prediction, the default included, is capped at it here, the one
+    place, so the plan and the online layer never expect a sample the engine would cut."""
 
     default: float
     tokens: np.ndarray
     """Predicted output tokens per group."""
     longest: np.ndarray
     """Predicted longest sample per group."""
+    limit: float = math.inf
 
     @classmethod
-    def of(cls, groups: Sequence[GroupSpec], fallback: float = 512.0) -> Predictions:
+    def of(
+        cls, groups: Sequence[GroupSpec], fallback: float = 512.0, limit: float | None = None
+    ) -> Predictions:
+        cap = math.inf if limit is None else float(limit)
         count = len(groups)
         mean = np.full(count, np.nan)
         longest = np.full(count, np.nan)
@@ -175,14 +182,18 @@ class Predictions:
         for k, g in enumerate(groups):
             size[k] = g.n
             if p := g.predicted_lengths:
+                top = max(p)
+                if top > cap:  # a prior from a run with a larger max_tokens
+                    p, top = [min(x, cap) for x in p], cap
                 mean[k] = sum(p) / len(p)
-                longest[k] = max(p)
+                longest[k] = top
         known = ~np.isnan(mean)
-        default = float(np.median(mean[known])) if known.any() else fallback
+        default = min(cap, float(np.median(mean[known])) if known.any() else fallback)
         return cls(
             default,
             size * np.where(known, mean, default),
             np.where(known, longest, default),
+            cap,
         )
 
 

@@ -88,6 +88,7 @@ class OnlinePlanned(PlannedScheduler):
             predictions=pred,
             steal=steal,
         )
+        self.limit = pred.limit
         self.cap = float(pred.longest.max()) if len(pred.longest) else pred.default
         self.quantile = quantile
         self.defer_factor = defer_factor
@@ -153,11 +154,15 @@ class OnlinePlanned(PlannedScheduler):
     def estimate(self, g: int, generated: float) -> float:
         """Tokens group ``g``'s longest member is expected to reach, having ``generated``: the
         prior's point (median ratio) while it is inside the prior's upper quantile, the cap
-        once it has run past it."""
+        once it has run past it; never past the sampling ``max_tokens``."""
         prior = float(self.longest[g])
         if generated > prior * self._ratio_q:
-            return max(self.cap, generated)
-        return max(prior * self._ratio_mid, generated)
+            guess = max(self.cap, generated)
+        else:
+            guess = max(prior * self._ratio_mid, generated)
+        # No sample outruns max_tokens: the engine cuts it there (a learned ratio or an
+        # elapsed-time guess could say more).
+        return min(self.limit, guess)
 
     # --- serving ------------------------------------------------------------------------------
     def next_groups(self, instance_id: int, max_groups: int) -> list[int]:

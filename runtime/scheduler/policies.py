@@ -62,19 +62,29 @@ def make_scheduler(
     dispatch: str = "continuous",
     tail_instances: int = 0,
     tail_max_seqs: int = 16,
+    defer_factor: float = 1.0,
+    max_tokens: int | None = None,
 ) -> Scheduler:
     """Plan one epoch with ``policy`` and return the scheduler that serves and repairs it.
 
     ``dispatch`` is the controller's dispatch mode (``scheduler.dispatch`` in the config); asp
     scores its candidate plans under it. asp keeps the last ``tail_instances`` instances for its
     tail lane, loaded with at most ``tail_max_seqs`` sequences each (off by default: on the
-    grouped traces deferral alone does better, see docs/scheduling.md)."""
+    grouped traces deferral alone does better, see docs/scheduling.md). asp defers a running
+    group the trainer waits on when its projected remaining time exceeds ``defer_factor`` x the
+    trainer period. ``max_tokens`` (the sampling cap; None: none) caps every prediction."""
     if policy not in POLICIES:
         raise ValueError(f"policy: {policy!r} is not one of {', '.join(POLICIES)}")
     _validate(groups, instances, batch_groups, lag_bound)
+    if not defer_factor > 0:
+        raise ValueError(f"defer_factor: {defer_factor} must be > 0")
+    if tail_max_seqs < 1:
+        raise ValueError(f"tail_max_seqs: {tail_max_seqs} must be >= 1")
+    if max_tokens is not None and max_tokens < 1:
+        raise ValueError(f"max_tokens: {max_tokens} must be >= 1")
     cost_model = cost_model or CostModel()
     # One pass over the groups for every user of the predictions: 1M groups cost ~0.3 s a pass.
-    predictions = Predictions.of(groups)
+    predictions = Predictions.of(groups, limit=max_tokens)
     if policy == "fifo":
         plan = plan_fifo(groups, instances)
     elif policy == "sorted":
@@ -106,6 +116,7 @@ def make_scheduler(
             cost_model=cost_model,
             predictions=predictions,
             steal=True,
+            defer_factor=defer_factor,
             tail_instances=tail,
             tail_max_seqs=tail_max_seqs,
         )
