@@ -175,7 +175,8 @@ class SimBackendConfig(_Section):
     time_scale: PositiveFloat = 1.0
     """Simulated seconds per wall second (>1 runs faster than a real cluster)."""
     trainer_step_s: PositiveFloat | None = None
-    """Fixed simulated trainer step; default comes from the cost model."""
+    """Fixed simulated trainer step (the sim trainer takes it and the scheduler plans with it);
+    default comes from the cost model."""
 
 
 class RestartConfig(_Section):

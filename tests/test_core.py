@@ -22,7 +22,7 @@ from runtime.controller.core import ControllerCore
 from runtime.controller.governor import CONSUMED
 from runtime.controller.instances import DOWN, PAUSED, RUNNING
 from runtime.controller.ledger import Ledger, MemoryRecords, verify_records
-from runtime.controller.work import load_task
+from runtime.controller.work import WorkQueue, load_task
 from runtime.scheduler import make_scheduler
 
 SIM_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sim-8.yaml"
@@ -464,6 +464,29 @@ def test_a_step_record_carries_its_moves_and_the_predictors_score() -> None:
     core.work.scheduler.lane = lambda i: P.Lane.TAIL if i == 1 else P.Lane.BULK
     wire = msgspec.to_builtins(core.snapshot())
     assert [row.get("lane", "bulk") for row in wire["instances"]] == ["bulk", "tail"]
+
+
+@pytest.mark.parametrize(("step_s", "expected"), [(3.0, (3.0, 3.0)), (None, (1.0, 21.0))])
+def test_the_plan_uses_the_sim_trainers_step_time(step_s, expected) -> None:
+    """asp plans for the trainer that runs: the sim trainer's fixed step, else the default's
+    (1 s + tokens / 48k)."""
+    overrides = ["task.num_prompts=16"]
+    if step_s is not None:
+        overrides.append(f"rollout.sim.trainer_step_s={step_s}")
+    config = load_config(SIM_CONFIG, overrides)
+    asked: dict[str, object] = {}
+    work = WorkQueue(
+        config,
+        load_task(config),
+        epoch=0,
+        consumed=(),
+        next_group_id=0,
+        request_plan=None,
+        make_scheduler=lambda *args, **kwargs: asked.update(kwargs),
+    )
+    work.plan(0, [], 1, None).make()
+    cost = asked["cost_model"]
+    assert (cost.trainer_step_s(0), cost.trainer_step_s(960_000)) == expected
 
 
 EVENTS = st.lists(

@@ -19,8 +19,19 @@ import numpy as np
 
 from runtime import protocol as P
 from runtime.config import Config
+from runtime.scheduler.cost_model import CostModel
 
 log = logging.getLogger(__name__)
+
+
+def planning_cost_model(config: Config) -> CostModel:
+    """The cost model the scheduler plans with: the default one, with the sim trainer's fixed
+    step (``rollout.sim.trainer_step_s``) when it has one. The default trainer (8 GPUs) is another
+    size: planning with it, asp would balance rollout against a trainer that does not run."""
+    step_s = config.rollout.sim.trainer_step_s
+    if config.trainer.backend == "sim" and step_s is not None:
+        return CostModel().with_fixed_trainer_step(step_s)
+    return CostModel()
 
 
 @dataclass
@@ -189,6 +200,7 @@ class WorkQueue:
             specs,
             batch_groups=cfg.trainer.batch_groups,
             lag_bound=bound,
+            cost_model=planning_cost_model(cfg),
             seed=cfg.run.seed + epoch,
             dispatch=cfg.scheduler.dispatch,
             defer_factor=cfg.scheduler.defer_factor,

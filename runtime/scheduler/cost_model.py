@@ -26,6 +26,7 @@ non-negative).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, replace
 from typing import Any
@@ -79,6 +80,11 @@ class CostModel:
         }
         kw.update(overrides)
         return cls(**kw)
+
+    def with_fixed_trainer_step(self, seconds: float) -> CostModel:
+        """This model with a trainer step of ``seconds`` whatever the batch (the sim trainer's
+        ``rollout.sim.trainer_step_s``)."""
+        return replace(self, trainer_base_s=seconds, trainer_tokens_per_s=math.inf)
 
     # --- the three functions the simulator and the sim backend call ---------------------------
     def decode_step_s(self, running_seqs: int, context_tokens: float) -> float:

@@ -1,0 +1,134 @@
+"""The live sim benchmark (bench/live_sim.py): one short real run on configs/sim-64.yaml gives its
+table row from the run's own step records; a failed or interrupted run leaves no process behind.
+
+The benchmark's numbers are not asserted, only where they come from.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import io
+import statistics
+import sys
+from pathlib import Path
+
+import psutil
+import pytest
+from rich.console import Console
+
+from runtime.rundir import RunDir, read_jsonl
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _load_bench():
+    # bench/ is a folder of scripts, not a package: load the file itself.
+    spec = importlib.util.spec_from_file_location("bench_live_sim", REPO / "bench" / "live_sim.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
+    spec.loader.exec_module(module)
+    return module
+
+
+live = _load_bench()
+
+
+def processes_mentioning(text: str) -> list[psutil.Process]:
+    found = []
+    for proc in psutil.process_iter(["cmdline"]):
+        try:
+            if any(text in part for part in proc.info["cmdline"] or []):
+                found.append(proc)
+        except psutil.Error:
+            continue
+    return found
+
+
+def assert_no_process_left(run_dir: Path) -> None:
+    left = processes_mentioning(str(run_dir))
+    _, alive = psutil.wait_procs(left, timeout=10)
+    assert not alive, [(p.pid, p.cmdline()) for p in alive]
+
+
+def render(table) -> str:
+    console = Console(file=io.StringIO(), width=200)
+    console.print(table)
+    return console.file.getvalue()
+
+
+def test_a_run_gives_its_row_from_its_step_records(tmp_path: Path) -> None:
+    run_dir = tmp_path / "eta1-asp"
+    lines: list[str] = []
+    cell = live.run_cell("asp", 1, steps=3, warmup=1, run_dir=run_dir, progress=lines.append)
+    assert_no_process_left(run_dir)
+
+    steps = [r for r in read_jsonl(RunDir(run_dir).metrics) if r.get("event") == "step"]
+    assert [r["step"] for r in steps] == [1, 2, 3]
+    steady = steps[1:]
+    assert cell.steps == 2
+    assert cell.iteration_s == pytest.approx(statistics.fmean(r["iteration_s"] for r in steady))
+    tokens, samples = sum(r["tokens"] for r in steady), sum(r["samples"] for r in steady)
+    assert samples == 2 * 128 * 8  # two batches of B = 128 groups of n = 8
+    assert cell.mean_length == pytest.approx(tokens / samples)
+    assert cell.deferred == sum(r["deferred"] for r in steady)
+    assert sum(cell.bubbles.values()) == pytest.approx(1.0)
+    assert any("step 3/3" in line for line in lines), lines
+
+    text = render(live.results_table([cell], steps=3, warmup=1))
+    row = next(line for line in text.splitlines() if " asp " in line)
+    assert row.split()[:4] == ["1", "asp", "2", f"{cell.iteration_s:.2f}"]
+
+
+def test_no_step_after_the_warmup_is_a_failure() -> None:
+    with pytest.raises(live.RunFailed, match="0 step record"):
+        live.summarise([], "fifo", 1, warmup=3)
+
+
+def test_a_failed_run_shows_its_error_and_log(tmp_path: Path) -> None:
+    run_dir = tmp_path / "bad"
+    missing = tmp_path / "no-such-trace.csv"
+    with pytest.raises(live.RunFailed) as failed:
+        live.run_cell(
+            "fifo",
+            1,
+            steps=2,
+            warmup=1,
+            run_dir=run_dir,
+            overrides=[f"rollout.sim.lengths={missing}"],
+        )
+    message = str(failed.value)
+    assert "η=1 fifo" in message
+    assert "controller.log" in message and "no-such-trace" in message
+    assert_no_process_left(run_dir)
+
+
+def test_an_interrupt_stops_the_run_and_its_children(tmp_path: Path) -> None:
+    run_dir = tmp_path / "interrupted"
+
+    def interrupt(line: str) -> None:
+        if "ready" in line:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        live.run_cell("fifo", 1, steps=40, warmup=3, run_dir=run_dir, progress=interrupt)
+    assert_no_process_left(run_dir)
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--steps", "3", "--warmup", "3"],
+        ["--lag-bound", "-1"],
+        ["--set", "scheduler.policy=fifo"],
+    ],
+)
+def test_bad_arguments_exit_2(argv: list[str]) -> None:
+    with pytest.raises(SystemExit) as exited:
+        live.main(argv)
+    assert exited.value.code == 2
+
+
+def test_a_bad_override_exits_2_before_any_run(capsys) -> None:
+    assert live.main(["--set", "rollout.instances=0"]) == 2
+    assert "rollout.instances" in capsys.readouterr().err
