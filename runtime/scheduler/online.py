@@ -274,8 +274,9 @@ class OnlinePlanned(PlannedScheduler):
                 out.append(
                     Defer(
                         r.group_id,
-                        f"projected {left_s:.1f}s past its deadline "
-                        f"(trainer period {self.period_s:.1f}s)",
+                        f"the trainer waits on it and it needs about {left_s:.1f}s more, "
+                        f"over {self.defer_factor:g} x the trainer period "
+                        f"({self.period_s:.1f}s)",
                     )
                 )
             else:
