@@ -214,6 +214,24 @@ def test_defer_factor_sets_how_late_is_too_late():
     assert lenient.repair(waiting_view(lenient, 0.0)) == []
 
 
+def test_asp_scores_its_candidates_with_the_defer_factor_it_serves(monkeypatch):
+    from runtime.scheduler.online import OnlinePlanned
+
+    seen: list[float] = []
+    init = OnlinePlanned.__init__
+
+    def spy(self, *args, **kw):
+        init(self, *args, **kw)
+        seen.append(self.defer_factor)
+
+    monkeypatch.setattr(OnlinePlanned, "__init__", spy)
+    groups = groups_of([(100, 100), (10, 20)] * 8, n=2)
+    make_scheduler(
+        "asp", groups, [InstanceSpec(0, 8)], batch_groups=4, lag_bound=1, defer_factor=0.4
+    )
+    assert len(seen) > 1 and set(seen) == {0.4}  # every scoring run, and the served one
+
+
 def test_work_queue_plans_with_the_configs_scheduler_knobs():
     config = load_config(
         None,

@@ -196,6 +196,7 @@ def plan_asp(
     draws: int = 2,
     dispatch: str = "continuous",
     predictions: Predictions | None = None,
+    defer_factor: float = 1.0,
 ) -> tuple[Plan, AspInfo]:
     """Build the candidates, score them in the simulator, return the best plan.
 
@@ -205,7 +206,8 @@ def plan_asp(
     cap, 0.1-1% in shared/data/lengths; None: the share of the predictions' own samples at the
     cap, at least ``MIN_TAIL_P``, since a prior sample runs to the cap as often as a new one).
     All candidates see the same draws. ``predictions``
-    are the groups' own, when the caller has them already."""
+    are the groups' own, when the caller has them already; ``defer_factor`` is the online
+    layer's, as it will serve the plan."""
     from runtime.scheduler.online import OnlinePlanned
     from runtime.sim.engine import simulate
 
@@ -260,6 +262,7 @@ def plan_asp(
                 lag_bound=lag_bound,
                 cost_model=cost_model,
                 predictions=sub_pred,
+                defer_factor=defer_factor,
             )
             runs.append(
                 simulate(

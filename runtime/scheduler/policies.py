@@ -103,6 +103,7 @@ def make_scheduler(
             seed=seed,
             dispatch=dispatch,
             predictions=predictions,
+            defer_factor=defer_factor,
         )
         from runtime.scheduler.online import OnlinePlanned
 
