@@ -24,6 +24,7 @@ from runtime.controller.instances import DOWN, PAUSED, RUNNING
 from runtime.controller.ledger import Ledger, MemoryRecords, verify_records
 from runtime.controller.work import WorkQueue, load_task
 from runtime.scheduler import make_scheduler
+from runtime.scheduler.cost_model import CostModel
 
 SIM_CONFIG = Path(__file__).resolve().parents[1] / "configs" / "sim-8.yaml"
 _TASKS: dict[int, object] = {}
@@ -466,11 +467,14 @@ def test_a_step_record_carries_its_moves_and_the_predictors_score() -> None:
     assert [row.get("lane", "bulk") for row in wire["instances"]] == ["bulk", "tail"]
 
 
-@pytest.mark.parametrize(("step_s", "expected"), [(3.0, (3.0, 3.0)), (None, (1.0, 21.0))])
-def test_the_plan_uses_the_sim_trainers_step_time(step_s, expected) -> None:
+@pytest.mark.parametrize(
+    ("step_s", "time_scale", "expected"),
+    [(3.0, 1.0, (3.0, 3.0)), (None, 1.0, (1.0, 21.0)), (3.0, 4.0, (0.75, 0.75))],
+)
+def test_the_plan_uses_the_sim_trainers_step_time(step_s, time_scale, expected) -> None:
     """asp plans for the trainer that runs: the sim trainer's fixed step, else the default's
-    (1 s + tokens / 48k)."""
-    overrides = ["task.num_prompts=16"]
+    (1 s + tokens / 48k), in wall seconds (a sim run at time_scale 4 runs 4x faster)."""
+    overrides = ["task.num_prompts=16", f"rollout.sim.time_scale={time_scale}"]
     if step_s is not None:
         overrides.append(f"rollout.sim.trainer_step_s={step_s}")
     config = load_config(SIM_CONFIG, overrides)
@@ -486,7 +490,9 @@ def test_the_plan_uses_the_sim_trainers_step_time(step_s, expected) -> None:
     )
     work.plan(0, [], 1, None).make()
     cost = asked["cost_model"]
-    assert (cost.trainer_step_s(0), cost.trainer_step_s(960_000)) == expected
+    assert (cost.trainer_step_s(0), cost.trainer_step_s(960_000)) == pytest.approx(expected)
+    default = CostModel().decode_step_s(64, 6400.0)
+    assert cost.decode_step_s(64, 6400.0) == pytest.approx(default / time_scale)
 
 
 EVENTS = st.lists(

@@ -389,6 +389,16 @@ def test_lpt_and_karmarkar_karp_balance():
 # --- cost model ----------------------------------------------------------------------------
 
 
+def test_cost_model_scaled_multiplies_every_duration():
+    cm, half = CostModel(prefill_base_s=0.01), CostModel(prefill_base_s=0.01).scaled(0.5)
+    assert half.decode_step_s(9, 900.0) == pytest.approx(cm.decode_step_s(9, 900.0) / 2)
+    assert half.prefill_s(100) == pytest.approx(cm.prefill_s(100) / 2)
+    assert half.trainer_step_s(96_000) == pytest.approx(cm.trainer_step_s(96_000) / 2)
+    assert half.weight_sync_s == pytest.approx(cm.weight_sync_s / 2)
+    with pytest.raises(ValueError, match="factor"):
+        cm.scaled(0.0)
+
+
 def test_cost_model_steps_and_fit():
     cm = CostModel()
     assert cm.decode_step_s(0, 0) == 0.0

@@ -25,13 +25,19 @@ log = logging.getLogger(__name__)
 
 
 def planning_cost_model(config: Config) -> CostModel:
-    """The cost model the scheduler plans with: the default one, with the sim trainer's fixed
-    step (``rollout.sim.trainer_step_s``) when it has one. The default trainer (8 GPUs) is another
-    size: planning with it, asp would balance rollout against a trainer that does not run."""
+    """The cost model the scheduler plans with, in the controller's (wall) seconds: the default
+    one, with the sim trainer's fixed step (``rollout.sim.trainer_step_s``) when it has one, and
+    on the sim backend divided by its ``time_scale`` (simulated seconds per wall second). The
+    default trainer (8 GPUs) is another size: planning with it, asp would balance rollout
+    against a trainer that does not run; and the online layer compares the model's times with
+    the wall clock."""
+    cost = CostModel()
     step_s = config.rollout.sim.trainer_step_s
     if config.trainer.backend == "sim" and step_s is not None:
-        return CostModel().with_fixed_trainer_step(step_s)
-    return CostModel()
+        cost = cost.with_fixed_trainer_step(step_s)
+    if config.rollout.backend == "sim":
+        cost = cost.scaled(1.0 / config.rollout.sim.time_scale)
+    return cost
 
 
 @dataclass

@@ -86,6 +86,26 @@ class CostModel:
         ``rollout.sim.trainer_step_s``)."""
         return replace(self, trainer_base_s=seconds, trainer_tokens_per_s=math.inf)
 
+    def scaled(self, factor: float) -> CostModel:
+        """This model with every duration multiplied by ``factor`` (rates divided by it): the
+        sim backend's model in wall seconds is ``scaled(1 / rollout.sim.time_scale)``."""
+        if not factor > 0:
+            raise ValueError(f"CostModel.scaled: factor {factor} must be > 0")
+        durations = (
+            "step_base_s",
+            "step_per_seq_s",
+            "step_per_ctx_token_s",
+            "prefill_base_s",
+            "prefill_per_token_s",
+            "trainer_base_s",
+            "weight_sync_s",
+        )
+        return replace(
+            self,
+            **{name: getattr(self, name) * factor for name in durations},
+            trainer_tokens_per_s=self.trainer_tokens_per_s / factor,
+        )
+
     # --- the three functions the simulator and the sim backend call ---------------------------
     def decode_step_s(self, running_seqs: int, context_tokens: float) -> float:
         """Seconds for one decode step of ``running_seqs`` sequences with ``context_tokens`` of
