@@ -48,6 +48,7 @@ def format_step(record: dict[str, Any], total_steps: int) -> str:
         f"queue {record.get('queue_depth', 0):>3}  "
         f"iter {record.get('iteration_s', 0.0):6.2f}s  "
         f"{record.get('samples_per_s', 0.0):6.1f} samples/s"
+        + "".join(f"  {key} {record[key]}" for key in ("deferred", "migrated") if record.get(key))
     )
 
 

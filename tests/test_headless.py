@@ -44,3 +44,12 @@ def test_routine_instance_transitions_are_not_printed(tmp_path: Path) -> None:
     down = {"event": EventKind.INSTANCE.value, "message": "instance 3: running -> down"}
     printed = _printed(tmp_path, [routine, {**down, "time": 2.0}])
     assert "syncing weights v4" not in printed and "running -> down" in printed
+
+
+def test_a_step_line_says_what_the_scheduler_deferred_and_moved() -> None:
+    from asp_tui.headless import format_step
+
+    step = {"step": 4, "reward_mean": 0.5, "iteration_s": 2.0}
+    assert "deferred" not in format_step(step, 10)  # quiet when there is nothing to say
+    line = format_step({**step, "deferred": 3, "migrated": 1}, 10)
+    assert line.endswith("deferred 3  migrated 1")
