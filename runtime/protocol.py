@@ -338,9 +338,10 @@ class Snapshot(_Message):
     discarded_groups: int = 0
     requeued_groups: int = 0
     deferred_groups: int = 0
-    """Groups the scheduler deferred (aborted, to regenerate later), in this controller's life."""
+    """Groups the scheduler deferred (aborted, to regenerate later) over the run, resumes
+    included."""
     migrated_groups: int = 0
-    """Groups moved to another instance with their partial output, in this controller's life."""
+    """Groups moved to another instance with their partial output over the run, resumes included."""
     lag: LagStats = msgspec.field(default_factory=LagStats)
     trainer: TrainerSnapshot = msgspec.field(default_factory=TrainerSnapshot)
     bubbles_window: dict[str, float] = {}

@@ -466,6 +466,21 @@ def test_a_step_record_carries_its_moves_and_the_predictors_score() -> None:
     wire = msgspec.to_builtins(core.snapshot())
     assert [row.get("lane", "bulk") for row in wire["instances"]] == ["bulk", "tail"]
 
+    # A resumed run keeps the totals, and its next step counts only its own moves.
+    saved = core.saved_state()
+    assert (saved.version, saved.deferred_total, saved.migrated_total) == (2, 1, 1)
+    resumed = ControllerCore(
+        cluster.config,
+        load_task(cluster.config),
+        clock=lambda: 0.0,
+        ledger=Ledger(MemoryRecords()),
+        saved=saved,
+        make_scheduler=make_scheduler,
+        plan_inline=True,
+    )
+    assert (resumed.snapshot().deferred_groups, resumed.snapshot().migrated_groups) == (1, 1)
+    assert resumed.trainer._moves_mark == (1, 1)
+
 
 @pytest.mark.parametrize(
     ("step_s", "time_scale", "expected"),

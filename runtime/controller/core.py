@@ -113,6 +113,7 @@ class ControllerCore:
             may_dispatch=self._may_dispatch,
             request_stop=self.request_stop,
         )
+        self.dispatcher.deferred, self.dispatcher.migrated = st.deferred_total, st.migrated_total
         self.accounting = Accounting(config, instances, now)
         self.fleet = Fleet(
             config,
@@ -398,6 +399,8 @@ class ControllerCore:
             discarded_total=c.discarded + c.aborted,
             requeued_total=c.requeued,
             skipped_total=c.skipped,
+            deferred_total=self.dispatcher.deferred,
+            migrated_total=self.dispatcher.migrated,
             finished=gov.version >= self.trainer.total_steps,
             time=self.clock(),
         )

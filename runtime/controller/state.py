@@ -23,6 +23,10 @@ class ControllerState(msgspec.Struct, kw_only=True):
     requeued_total: int = 0
     skipped_total: int = 0
     """Groups dropped because a reward function failed (``task.on_reward_error: skip_group``)."""
+    deferred_total: int = 0
+    """Groups the scheduler deferred (aborted, to regenerate later) over the whole run."""
+    migrated_total: int = 0
+    """Groups moved to another instance with their partial output over the whole run."""
     finished: bool = False
     time: float = 0.0
 

@@ -84,8 +84,9 @@ class TrainerSide:
         self.last_tokens_per_s = 0.0
         self.last_lag = P.LagStats()
         self.last_record: StepRecord | None = None
-        self._moves_mark = (0, 0)
-        """The dispatcher's (deferred, migrated) counts at the previous step."""
+        self._moves_mark = (dispatcher.deferred, dispatcher.migrated)
+        """The dispatcher's (deferred, migrated) counts at the previous step (a resumed run's
+        totals carry over)."""
         self.weights_path: dict[int, str] = {}
         self._batch = _BatchFacts()
         self.batch_bound = governor.lag_bound
