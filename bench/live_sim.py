@@ -45,6 +45,7 @@ from runtime.launcher import request_stop, spawn_controller, wait_for_controller
 from runtime.protocol import BUBBLE_CATEGORIES
 from runtime.records import StepRecord
 from runtime.rundir import JsonlTail, RunDir
+from runtime.tasks import preflight
 
 REPO = Path(__file__).resolve().parents[1]
 CONFIG = REPO / "configs" / "sim-64.yaml"
@@ -326,12 +327,12 @@ def main(argv: list[str] | None = None) -> int:
         taken = [d for eta, p in cells if (d := root / _dir_name(eta, p)).exists()]
         if taken:
             ap.error(f"--keep {root}: {taken[0]} already exists; every run needs a fresh directory")
-    try:  # a bad --set or config fails before anything runs
+    try:  # a bad --set, config or task file fails before anything runs
         for eta, policy in cells:
-            cell_config(
+            preflight(cell_config(
                 policy, eta, steps=steps, run_dir=Path("unused"), config=args.config,
                 overrides=args.overrides,
-            )  # fmt: skip
+            ))  # fmt: skip
     except ConfigError as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2

@@ -281,6 +281,22 @@ def test_other_real_traces_load() -> None:
         load_length_trace(SHARED_LENGTHS / "servegen_deepseek_r1_output_pmf.csv")
 
 
+@pytest.mark.parametrize(
+    ("config", "field"),
+    [("sim-8.yaml", "rollout.sim.lengths"), ("tiny.yaml", "task.lengths_trace")],
+)
+def test_a_missing_trace_is_a_config_error_before_anything_starts(
+    tmp_path: Path, config: str, field: str
+) -> None:
+    from runtime.config import ConfigError
+    from runtime.tasks import preflight
+
+    configs = Path(__file__).resolve().parents[1] / "configs"
+    missing = tmp_path / "missing.csv"
+    with pytest.raises(ConfigError, match=rf"{field}: .*missing.csv' is not a file"):
+        preflight(load_config(configs / config, [f"{field}={missing}"]))
+
+
 def test_bad_traces_name_the_field(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match=r"task.lengths_trace: .* is not a file"):
         load_length_trace(tmp_path / "missing.csv")

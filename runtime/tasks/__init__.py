@@ -221,10 +221,12 @@ def preflight(config: Config) -> Config:
     """Check the task (and that telemetry.wandb can be honoured) before any process starts,
     and fix the task's local paths.
 
-    For ``task.name: dataset`` this loads the dataset and imports and checks every reward
-    function, so a missing file or field, an unimportable path, a wrong signature or an empty
-    dataset is a ``ConfigError`` (exit 2). Local paths (dataset, reward files, chat template)
-    are made absolute, since every process reads the resolved config from the run directory.
+    A length trace that is not a file (``rollout.sim.lengths``, ``task.lengths_trace``) is a
+    ``ConfigError``. For ``task.name: dataset`` this loads the dataset and imports and checks
+    every reward function, so a missing file or field, an unimportable path, a wrong signature
+    or an empty dataset is a ``ConfigError`` (exit 2). Local paths (dataset, reward files, chat
+    template) are made absolute, since every process reads the resolved config from the run
+    directory.
     """
     import importlib.util
 
@@ -234,6 +236,13 @@ def preflight(config: Config) -> Config:
         raise ConfigError(
             "telemetry.wandb: the wandb package is not installed; pip install 'asp-tui[wandb]'"
         )
+    if config.rollout.backend == "sim" or config.task.lengths_trace:
+        from runtime.tasks.sim_task import resolve_trace
+
+        try:
+            resolve_trace(config)  # the length trace a sim run or a target-length task reads
+        except ValueError as exc:
+            raise ConfigError(str(exc)) from None
     if config.task.name != "dataset":
         return config
     task = config.task.model_copy(deep=True)
