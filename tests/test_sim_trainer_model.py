@@ -67,7 +67,8 @@ def test_a_step_returns_the_batch_metrics_and_the_cost_model_s_step_time() -> No
 
 
 def test_sequence_aggregation_and_a_fixed_step_time() -> None:
-    model = TrainerModel(CostModel(), LossConfig(aggregation="sequence"), step_s=2.5, version=4)
+    fixed = CostModel().with_fixed_trainer_step(2.5)
+    model = TrainerModel(fixed, LossConfig(aggregation="sequence"), version=4)
     metrics, seconds = model.step(batch(version=4))
     assert metrics.loss == pytest.approx(0.0, abs=1e-12)  # mean of +-a, 0, 0
     assert seconds == 2.5

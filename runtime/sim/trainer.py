@@ -67,7 +67,7 @@ from runtime.protocol import (
 )
 from runtime.rundir import RunDir, atomic_write_bytes
 from runtime.scheduler.cost_model import CostModel
-from runtime.sim.backend import SIM_WEIGHTS_FORMAT, controller_alive
+from runtime.sim.backend import SIM_WEIGHTS_FORMAT, controller_alive, sim_cost_model
 from runtime.trainer.advantages import group_advantages
 from runtime.transport import connect
 
@@ -149,13 +149,11 @@ class TrainerModel:
     """The sim trainer's step without a process: ``step(batch)`` returns the batch's metrics
     and the simulated step time; ``step_done`` then moves to the next weight version."""
 
-    def __init__(
-        self, cost: CostModel, loss: LossConfig, step_s: float | None = None, version: int = 0
-    ) -> None:
+    def __init__(self, cost: CostModel, loss: LossConfig, version: int = 0) -> None:
         self.cost = cost
+        """Its ``trainer_step_s`` is the step time (``sim_cost_model``: with the config's fixed
+        step, when it has one)."""
         self.loss = loss
-        self.fixed_step_s = step_s
-        """``rollout.sim.trainer_step_s``: a fixed step time instead of the cost model's."""
         self.version = version
 
     def step(self, batch: Batch) -> tuple[StepMetrics, float]:
@@ -168,7 +166,7 @@ class TrainerModel:
                 self.version,
             )
         metrics, tokens = batch_metrics(batch, self.loss)
-        seconds = self.fixed_step_s or self.cost.trainer_step_s(tokens)
+        seconds = self.cost.trainer_step_s(tokens)
         metrics.step_s = seconds
         return metrics, seconds
 
@@ -190,10 +188,7 @@ class SimTrainer:
         self.endpoints = run_dir.read_endpoints()
         self.scale = config.rollout.sim.time_scale
         self.model = TrainerModel(
-            CostModel(),
-            config.trainer.loss,
-            config.rollout.sim.trainer_step_s,
-            resumed_version(run_dir),
+            sim_cost_model(config), config.trainer.loss, resumed_version(run_dir)
         )
         self.signal_name = ""
         self.context = zmq.Context()
