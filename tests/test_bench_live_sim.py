@@ -6,32 +6,18 @@ The benchmark's numbers are not asserted, only where they come from.
 
 from __future__ import annotations
 
-import importlib.util
 import io
 import statistics
-import sys
 from pathlib import Path
 
 import psutil
 import pytest
+from bench_scripts import load_bench
 from rich.console import Console
 
 from runtime.rundir import RunDir, read_jsonl
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load_bench():
-    # bench/ is a folder of scripts, not a package: load the file itself.
-    spec = importlib.util.spec_from_file_location("bench_live_sim", REPO / "bench" / "live_sim.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-live = _load_bench()
+live = load_bench("live_sim")
 
 
 def processes_mentioning(text: str) -> list[psutil.Process]:

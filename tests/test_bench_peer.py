@@ -5,27 +5,12 @@ No processes are started and nothing is timed; the benchmark's numbers are not a
 
 from __future__ import annotations
 
-import importlib.util
 import math
-import sys
-from pathlib import Path
 
 import pytest
+from bench_scripts import load_bench
 
-REPO = Path(__file__).resolve().parents[1]
-
-
-def _load_peer():
-    # bench/ is a folder of scripts, not a package: load the file itself.
-    spec = importlib.util.spec_from_file_location("bench_peer", REPO / "bench" / "peer.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up while the class is built
-    spec.loader.exec_module(module)
-    return module
-
-
-peer = _load_peer()
+peer = load_bench("peer")
 
 
 def test_steady_leaves_out_the_warmup_steps() -> None:

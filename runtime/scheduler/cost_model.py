@@ -33,6 +33,17 @@ from typing import Any
 
 import numpy as np
 
+DURATIONS = (
+    "step_base_s",
+    "step_per_seq_s",
+    "step_per_ctx_token_s",
+    "prefill_base_s",
+    "prefill_per_token_s",
+    "trainer_base_s",
+    "weight_sync_s",
+)
+"""The fields of ``CostModel`` that are seconds (or seconds per unit)."""
+
 
 @dataclass(frozen=True)
 class CostModel:
@@ -47,15 +58,7 @@ class CostModel:
     weight_sync_s: float = 0.3
 
     def __post_init__(self) -> None:
-        for name in (
-            "step_base_s",
-            "step_per_seq_s",
-            "step_per_ctx_token_s",
-            "prefill_base_s",
-            "prefill_per_token_s",
-            "trainer_base_s",
-            "weight_sync_s",
-        ):
+        for name in DURATIONS:
             if getattr(self, name) < 0:
                 raise ValueError(f"CostModel.{name}: {getattr(self, name)} must be >= 0")
         if self.max_num_seqs < 1:
@@ -91,18 +94,9 @@ class CostModel:
         sim backend's model in wall seconds is ``scaled(1 / rollout.sim.time_scale)``."""
         if not factor > 0:
             raise ValueError(f"CostModel.scaled: factor {factor} must be > 0")
-        durations = (
-            "step_base_s",
-            "step_per_seq_s",
-            "step_per_ctx_token_s",
-            "prefill_base_s",
-            "prefill_per_token_s",
-            "trainer_base_s",
-            "weight_sync_s",
-        )
         return replace(
             self,
-            **{name: getattr(self, name) * factor for name in durations},
+            **{name: getattr(self, name) * factor for name in DURATIONS},
             trainer_tokens_per_s=self.trainer_tokens_per_s / factor,
         )
 
