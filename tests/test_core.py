@@ -482,6 +482,19 @@ def test_a_step_record_carries_its_moves_and_the_predictors_score() -> None:
     assert resumed.trainer._moves_mark == (1, 1)
 
 
+def test_the_policy_is_asked_the_moment_the_trainer_starts_to_wait() -> None:
+    """Whatever the policy's own schedule of looks, it sees the groups the trainer waits on when
+    the wait begins (live, the batch request that finds them comes after the version change
+    that the policy's schedule keys on)."""
+    cluster = started(Cluster(eta=1, instances=2, batch=4, slots=4, policy="asp"))
+    scheduler = cluster.core.work.scheduler
+    scheduler.repair_due = lambda now, version: False
+    seen: list[int] = []
+    scheduler.repair = lambda view: seen.append(len(view.waiting)) or []
+    drive(cluster, random.Random(3), 6)
+    assert sum(seen) > 0  # without the rule: never asked
+
+
 @pytest.mark.parametrize(
     ("step_s", "time_scale", "expected"),
     [(3.0, 1.0, (3.0, 3.0)), (None, 1.0, (1.0, 21.0)), (3.0, 4.0, (0.75, 0.75))],

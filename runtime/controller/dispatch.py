@@ -58,6 +58,8 @@ class Dispatcher:
         """Groups moved to another instance with their partial output, so far."""
         self.deferred = 0
         """Groups the policy aborted to regenerate later (``repair``), so far."""
+        self._trainer_waited = False
+        """Whether the trainer was waiting on in-flight groups at the last ``repair``."""
 
     # --- dispatch -----------------------------------------------------------------------------
     def dispatch(self) -> None:
@@ -243,11 +245,17 @@ class Dispatcher:
     def repair(self, trainer_waits: bool) -> bool:
         """Let the scheduler defer or move in-flight groups (``Scheduler.repair``), when it says
         it has something to decide; ``trainer_waits``: the trainer waits on the oldest of them
-        (``lag_wait``). True when anything was asked for."""
+        (``lag_wait``). True when anything was asked for. The moment the trainer starts to wait
+        it is always asked: the policy's own schedule of looks cannot know when that is."""
         sched = self.work.scheduler
         now = self.clock()
         gov = self.governor
-        if sched is None or not sched.repair_due(now, gov.version):
+        starts_waiting = trainer_waits and not self._trainer_waited
+        self._trainer_waited = trainer_waits
+        if sched is None:
+            return False
+        # repair_due is always asked: it is how the policy sees each new version.
+        if not sched.repair_due(now, gov.version) and not starts_waiting:
             return False
         running = tuple(
             Running(r.group_id, r.prompt_id, r.instance_id, r.start_version, r.dispatched_at)
