@@ -8,8 +8,8 @@ after another and niced. Every number comes from the run's step records (``metri
 the mean length of the consumed samples (tokens / samples), the measured bubble breakdown, and
 the groups the scheduler deferred and migrated in those steps. The goals table gives
 asp / best(fifo, sorted) (goal <= 0.90) and asp's consumed length against fifo's (goal within
-3%: deferral must not bias training towards short answers). A 40-step run takes about 8
-minutes, so the default 2 x 3 cells take about 48; ``--quick`` (8 steps) about 12.
+3%: deferral must not bias training towards short answers). A 40-step run takes 5-7
+minutes, so the default 2 x 3 cells take about 35; ``--quick`` (8 steps) about 10.
 
     .venv/bin/python bench/live_sim.py [--steps 40] [--warmup 3] [--lag-bound 1 2]
         [--policies fifo sorted asp] [--keep DIR] [--quick] [--set key=value ...]
