@@ -441,7 +441,7 @@ def test_a_step_record_carries_its_moves_and_the_predictors_score() -> None:
     # The plan's prediction, read at dispatch: the prompt's one observed length.
     assert gov.groups
     assert all(r.predicted_longest == seen[r.prompt_id][0] for r in gov.groups.values())
-    core.work.scheduler.repair_due = lambda now, version: False  # only the moves made here
+    core.work.scheduler.repair = lambda view: ()  # only the moves made here
     # Every group comes back with twice its predicted longest sample: ranked right, ratio 2.
     cluster.longest = lambda gid: round(2 * gov.groups[gid].predicted_longest)
     assert dispatcher.migrate(min(cluster.running[0]), 1)
