@@ -11,6 +11,10 @@ the chain arms it for itself:
   before they run their target; ``runtime.rollout.worker`` calls ``die_with_parent`` there;
 - forked children (vLLM's default on GPU hosts) run the ``os.register_at_fork`` hook that
   ``arm_forked_children`` installs.
+
+A spawned child also starts ``exit_when_orphaned``: the SIGTERM runs Python's handler only when
+the main thread gets back to Python, and a model worker blocked in C on its dead engine core
+never does.
 """
 
 from __future__ import annotations
@@ -19,6 +23,8 @@ import ctypes
 import os
 import signal
 import sys
+import threading
+import time
 
 _PR_SET_PDEATHSIG = 1
 
@@ -40,6 +46,23 @@ def die_with_parent(sig: int = signal.SIGTERM, parent_pid: int | None = None) ->
     if ppid == 1 or (parent_pid is not None and ppid != parent_pid):
         os._exit(1)
     return True
+
+
+def exit_when_orphaned(grace_s: float = 10.0, poll_s: float = 1.0) -> threading.Thread:
+    """Exit this process ``grace_s`` after its parent is gone, from a daemon thread: the backstop
+    to ``die_with_parent``'s SIGTERM for a main thread stuck where no handler runs. Not for a
+    ``preexec_fn`` (no thread survives the exec)."""
+    parent = os.getppid()
+
+    def watch() -> None:
+        while os.getppid() == parent:
+            time.sleep(poll_s)
+        time.sleep(grace_s)  # the SIGTERM's own shutdown goes first
+        os._exit(1)
+
+    thread = threading.Thread(target=watch, name="exit-when-orphaned", daemon=True)
+    thread.start()
+    return thread
 
 
 _forking_pid: list[int] = []

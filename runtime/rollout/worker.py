@@ -41,7 +41,7 @@ import zmq
 import zmq.asyncio
 
 from runtime.auth import Role
-from runtime.lifetime import die_with_parent
+from runtime.lifetime import die_with_parent, exit_when_orphaned
 from runtime.logs import setup_logging
 from runtime.protocol import (
     AbortGroups,
@@ -68,6 +68,7 @@ if __name__ == "__mp_main__":
     # This module is being re-imported by a process that vLLM spawned from the worker (its
     # engine core, or that one's model worker): die with the parent. See lifetime.py.
     die_with_parent()
+    exit_when_orphaned()
 
 log = logging.getLogger("runtime.rollout.worker")
 
