@@ -31,9 +31,8 @@ def planning_cost_model(config: Config) -> CostModel:
     default trainer (8 GPUs) is another size: planning with it, asp would balance rollout
     against a trainer that does not run; and the online layer compares the model's times with
     the wall clock."""
-    from runtime.sim.backend import sim_cost_model
-
-    cost = sim_cost_model(config) if config.trainer.backend == "sim" else CostModel()
+    step_s = config.rollout.sim.trainer_step_s
+    cost = CostModel.simulated(step_s) if config.trainer.backend == "sim" else CostModel()
     if config.rollout.backend == "sim":
         cost = cost.scaled(1.0 / config.rollout.sim.time_scale)
     return cost

@@ -84,6 +84,13 @@ class CostModel:
         kw.update(overrides)
         return cls(**kw)
 
+    @classmethod
+    def simulated(cls, trainer_step_s: float | None) -> CostModel:
+        """What the sim backend and the sim trainer run on, in simulated seconds: the defaults,
+        with a fixed trainer step where ``rollout.sim.trainer_step_s`` sets one."""
+        model = cls()
+        return model if trainer_step_s is None else model.with_fixed_trainer_step(trainer_step_s)
+
     def with_fixed_trainer_step(self, seconds: float) -> CostModel:
         """This model with a trainer step of ``seconds`` whatever the batch (the sim trainer's
         ``rollout.sim.trainer_step_s``)."""

@@ -221,13 +221,6 @@ class SimInstance:
         await self.socket.send_multipart(self.encoder.encode(message))  # type: ignore[arg-type]
 
 
-def sim_cost_model(config: Config) -> CostModel:
-    """What the sim backend and the sim trainer run on, in simulated seconds: the default cost
-    model, with a fixed trainer step where ``rollout.sim.trainer_step_s`` sets one."""
-    step_s = config.rollout.sim.trainer_step_s
-    return CostModel() if step_s is None else CostModel().with_fixed_trainer_step(step_s)
-
-
 def check_weights(version: int, path: str) -> str:
     """Why a weight file cannot be "loaded" ("" if it can). Version 0 is the initial model."""
     if version == 0:
@@ -279,7 +272,7 @@ async def serve(config: Config, run_dir: RunDir, instance_ids: list[int]) -> int
     endpoints = run_dir.read_endpoints()
     loop = asyncio.get_running_loop()
     settings = SimSettings(
-        cost=sim_cost_model(config),
+        cost=CostModel.simulated(config.rollout.sim.trainer_step_s),
         time_scale=config.rollout.sim.time_scale,
         heartbeat_s=config.rollout.heartbeat_s,
         task=SimTask.from_config(config),

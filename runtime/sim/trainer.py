@@ -67,7 +67,7 @@ from runtime.protocol import (
 )
 from runtime.rundir import RunDir, atomic_write_bytes
 from runtime.scheduler.cost_model import CostModel
-from runtime.sim.backend import SIM_WEIGHTS_FORMAT, controller_alive, sim_cost_model
+from runtime.sim.backend import SIM_WEIGHTS_FORMAT, controller_alive
 from runtime.trainer.advantages import group_advantages
 from runtime.transport import connect
 
@@ -151,7 +151,7 @@ class TrainerModel:
 
     def __init__(self, cost: CostModel, loss: LossConfig, version: int = 0) -> None:
         self.cost = cost
-        """Its ``trainer_step_s`` is the step time (``sim_cost_model``: with the config's fixed
+        """Its ``trainer_step_s`` is the step time (``CostModel.simulated``: with the config's fixed
         step, when it has one)."""
         self.loss = loss
         self.version = version
@@ -188,7 +188,9 @@ class SimTrainer:
         self.endpoints = run_dir.read_endpoints()
         self.scale = config.rollout.sim.time_scale
         self.model = TrainerModel(
-            sim_cost_model(config), config.trainer.loss, resumed_version(run_dir)
+            CostModel.simulated(config.rollout.sim.trainer_step_s),
+            config.trainer.loss,
+            resumed_version(run_dir),
         )
         self.signal_name = ""
         self.context = zmq.Context()
