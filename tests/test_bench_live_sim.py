@@ -60,6 +60,12 @@ def test_a_run_gives_its_row_from_its_step_records(tmp_path: Path) -> None:
     assert cell.deferred == sum(r["deferred"] for r in steady)
     assert sum(cell.bubbles.values()) == pytest.approx(1.0)
     assert any("step 3/3" in line for line in lines), lines
+    # The ledger's lengths are the samples the trainer got: the first-epoch length's source.
+    ledger = read_jsonl(RunDir(run_dir).ledger)
+    completed = {r["group"]: r["lengths"] for r in ledger if r["event"] == "completed"}
+    consumed = [completed[r["group"]] for r in ledger if r["event"] == "consumed"]
+    assert sum(map(sum, consumed)) == sum(r["tokens"] for r in steps)
+    assert cell.epoch_length is None  # 3 of the 111 steps of sim-64's first epoch
 
     text = render(live.results_table([cell], steps=3, warmup=1))
     row = next(line for line in text.splitlines() if " asp " in line)

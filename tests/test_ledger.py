@@ -3,7 +3,7 @@ consumption is caught."""
 
 from __future__ import annotations
 
-from runtime.controller.ledger import Ledger, verify_ledger, verify_records
+from runtime.controller.ledger import Ledger, epoch_samples, verify_ledger, verify_records
 
 
 def d(group, prompt, epoch=0, instance=0, version=0):
@@ -27,10 +27,10 @@ def test_writer_round_trip_is_ok(tmp_path):
     ledger.controller_start(version=0, epoch=0, resumed=False)
     ledger.dispatched(0, prompt=5, epoch=0, instance=1, version=0)
     ledger.dispatched(1, prompt=6, epoch=0, instance=0, version=0)
-    ledger.completed(0, instance=1, version_min=0, version_max=0)
+    ledger.completed(0, instance=1, version_min=0, version_max=0, lengths=[3, 5])
     ledger.requeued(1, reason="instance 0 lost")
     ledger.dispatched(2, prompt=6, epoch=0, instance=1, version=0)
-    ledger.completed(2, instance=1, version_min=0, version_max=1)
+    ledger.completed(2, instance=1, version_min=0, version_max=1, lengths=[7, 1])
     ledger.consumed([0, 2], step=0, lags=[0, 0])
     ledger.ignored(1, reason="late result")
     ledger.close()
@@ -92,3 +92,27 @@ def test_restart_abandons_open_groups():
     report = verify_records(records)
     assert report.ok and report.counts["abandoned"] == 2 and report.restarts == 1
     assert report.requeued_pending == [(0, 2)]
+
+
+def test_an_epochs_samples_are_its_consumed_groups_lengths():
+    """A deferred prompt counts once, with the group that was consumed, not the aborted one."""
+    records = [
+        d(0, 1),
+        d(1, 2),
+        ev("completed", 0, lengths=[4, 6]),
+        ev("aborted", 1, reason="deferred"),
+        ev("consumed", 0, step=1),
+        d(2, 2),
+        ev("completed", 2, lengths=[1, 1]),
+    ]
+    samples = epoch_samples(records, epoch=0)
+    assert samples.prompts == 2 and samples.lengths == {1: [4, 6]}
+    assert not samples.complete  # prompt 2 not consumed, and the epoch not all handed out
+
+    records += [ev("consumed", 2, step=2), d(3, 1, epoch=1)]
+    samples = epoch_samples(records, epoch=0)
+    assert samples.lengths == {1: [4, 6], 2: [1, 1]} and samples.complete
+    assert samples.mean_length == 3.0
+    # The next epoch's groups are its own.
+    assert epoch_samples(records, epoch=1).prompts == 1
+    assert not epoch_samples(records, epoch=1).complete

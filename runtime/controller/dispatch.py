@@ -311,7 +311,11 @@ class Dispatcher:
         self.work.finished(record.prompt_id, record.epoch, inst.instance_id, lengths)
         outcome = self.governor.complete(msg.group_id, vmin, vmax, msg)
         self.ledger.completed(
-            msg.group_id, instance=inst.instance_id, version_min=vmin, version_max=vmax
+            msg.group_id,
+            instance=inst.instance_id,
+            version_min=vmin,
+            version_max=vmax,
+            lengths=lengths,
         )
         if outcome == "discarded":
             self._discarded(

@@ -16,7 +16,7 @@ is impossible, and no prompt was consumed twice within one epoch.
 from __future__ import annotations
 
 from collections import Counter, defaultdict
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -74,13 +74,23 @@ class Ledger:
             version=version,
         )
 
-    def completed(self, group: int, *, instance: int, version_min: int, version_max: int) -> None:
+    def completed(
+        self,
+        group: int,
+        *,
+        instance: int,
+        version_min: int,
+        version_max: int,
+        lengths: Sequence[int],
+    ) -> None:
+        """Its samples came back, ``lengths`` completion tokens each."""
         self._write(
             "completed",
             group=group,
             instance=instance,
             version_min=version_min,
             version_max=version_max,
+            lengths=list(lengths),
         )
 
     def consumed(self, groups: Iterable[int], *, step: int, lags: Iterable[int]) -> None:
@@ -213,3 +223,49 @@ def verify_records(records: Iterable[dict[str, Any]]) -> LedgerReport:
         k for k in given_back if not open_prompts[k] and consumed_prompts[k] == 0
     )
     return report
+
+
+@dataclass(frozen=True)
+class EpochSamples:
+    """What one epoch's prompts gave the trainer, replayed from a ledger."""
+
+    epoch: int
+    prompts: int
+    """Distinct prompts of the epoch handed out."""
+    lengths: dict[int, list[int]]
+    """Prompt -> the completion lengths of its consumed group."""
+    handed_out: bool
+    """A later epoch was dispatched: every prompt of this one had been handed out."""
+
+    @property
+    def complete(self) -> bool:
+        """Every prompt of the epoch was consumed."""
+        return self.handed_out and len(self.lengths) == self.prompts
+
+    @property
+    def mean_length(self) -> float:
+        """Mean completion tokens per consumed sample (0 if none)."""
+        samples = [n for group in self.lengths.values() for n in group]
+        return sum(samples) / len(samples) if samples else 0.0
+
+
+def epoch_samples(records: Iterable[dict[str, Any]], epoch: int) -> EpochSamples:
+    """The consumed samples of ``epoch``'s prompts: a policy that defers or reorders is compared
+    with another on the same prompts, each consumed once, rather than on a window of steps."""
+    origin: dict[int, int] = {}  # group of this epoch -> prompt
+    lengths: dict[int, list[int]] = {}  # group -> its completion lengths
+    consumed: dict[int, list[int]] = {}
+    prompts: set[int] = set()
+    later = False
+    for rec in records:
+        event, gid = rec.get("event"), rec.get("group")
+        if event == "dispatched":
+            if int(rec.get("epoch", 0)) == epoch:
+                origin[gid] = int(rec["prompt"])
+                prompts.add(origin[gid])
+            later = later or int(rec.get("epoch", 0)) > epoch
+        elif event == "completed" and gid in origin:
+            lengths[gid] = list(rec.get("lengths", ()))
+        elif event == "consumed" and gid in origin:
+            consumed[origin[gid]] = lengths.get(gid, [])
+    return EpochSamples(epoch, len(prompts), consumed, later)
