@@ -214,6 +214,24 @@ def test_defer_factor_sets_how_late_is_too_late():
     assert lenient.repair(waiting_view(lenient, 0.0)) == []
 
 
+def test_asp_priorities_are_deadlines_and_the_tail_round_goes_first():
+    from runtime.scheduler.online import TAIL_PRIORITY
+
+    groups = groups_of([(100, 100)] * 16, n=2)
+    s = make_scheduler("asp", groups, [InstanceSpec(0, 32)], batch_groups=8, lag_bound=2)
+    # Earliest deadline first: the last step that may consume a group started at version v.
+    assert [s.priority(0, v) for v in (0, 3)] == [2, 5]
+    assert s.priority(1, 0) < s.priority(0, 1)
+    while s.next_groups(0, 16):  # the whole plan handed out
+        pass
+    s.period_s = 200 * s.token_s
+    s.defer_factor = 0.25
+    (defer,) = s.repair(waiting_view(s, 0.0))
+    s.requeue([0])  # what the core does with a deferred group's prompt
+    assert s.next_groups(0, 1) == [0]  # its regeneration: the tail round
+    assert s.priority(0, 7) == TAIL_PRIORITY < min(s.priority(p, 0) for p in range(1, 16))
+
+
 def test_asp_scores_its_candidates_with_the_defer_factor_it_serves(monkeypatch):
     from runtime.scheduler.online import OnlinePlanned
 

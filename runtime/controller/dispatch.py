@@ -158,18 +158,19 @@ class Dispatcher:
         self.ledger.dispatched(
             gid, prompt=prompt_id, epoch=epoch, instance=inst.instance_id, version=version
         )
-        self.outbox.to_instance(inst.instance_id, self._generate(gid, prompt_id))
+        self.outbox.to_instance(inst.instance_id, self._generate(gid, prompt_id, version))
         inst.running_seqs = min(inst.max_num_seqs, inst.running_seqs + self.n)
 
     def _generate(
         self,
         gid: int,
         prompt_id: int,
+        start_version: int,
         priority: int | None = None,
         prefix: list[P.PartialSample] | None = None,
     ) -> P.Generate:
         """The ``Generate`` of group ``gid`` (the same seed wherever and however often it is
-        sent); ``priority`` None: the scheduler's."""
+        sent); ``priority`` None: the scheduler's for a group started at ``start_version``."""
         sampling = self.config.rollout.sampling
         return P.Generate(
             group_id=gid,
@@ -178,7 +179,11 @@ class Dispatcher:
             n=self.n,
             max_tokens=sampling.max_tokens,
             seed=None if sampling.seed is None else sampling.seed + gid,
-            priority=self.work.scheduler.priority(prompt_id) if priority is None else priority,
+            priority=(
+                self.work.scheduler.priority(prompt_id, start_version)
+                if priority is None
+                else priority
+            ),
             prefix=prefix,
         )
 
@@ -227,7 +232,9 @@ class Dispatcher:
         target.in_flight[gid] = record
         carried = sum(len(p.token_ids) for p in msg.partial)
         self.ledger.migrated(gid, instance=source.instance_id, to=to, tokens=carried)
-        self.outbox.to_instance(to, self._generate(gid, record.prompt_id, priority, msg.partial))
+        self.outbox.to_instance(
+            to, self._generate(gid, record.prompt_id, record.start_version, priority, msg.partial)
+        )
         target.running_seqs = min(target.max_num_seqs, target.running_seqs + self.n)
         self.migrated += 1
         self.outbox.publish(

@@ -83,9 +83,10 @@ class Scheduler(abc.ABC):
         """Groups planned for ``instance_id`` and not yet handed out (for bubble attribution)."""
         return 0
 
-    def priority(self, prompt_id: int) -> int:
-        """The engine priority of ``prompt_id``'s group when it is dispatched now: lower runs
-        sooner (``Generate.priority``; heeded under ``rollout.scheduling_policy: priority``)."""
+    def priority(self, prompt_id: int, start_version: int) -> int:
+        """The engine priority of ``prompt_id``'s group, started at ``start_version``, when it
+        is sent now: lower runs sooner and is preempted last (``Generate.priority``; heeded under
+        ``rollout.scheduling_policy: priority``)."""
         return 0
 
     def lane(self, instance_id: int) -> Lane:

@@ -52,7 +52,8 @@ from runtime.scheduler.base import (
 from runtime.scheduler.cost_model import CostModel, iteration_estimate
 
 TAIL_PRIORITY = -1
-"""Engine priority of a regenerated (deferred) group: ahead of everything planned."""
+"""Engine priority of a regenerated (deferred) group: ahead of everything planned (whose
+priorities are deadlines, never negative)."""
 
 
 class OnlinePlanned(PlannedScheduler):
@@ -242,9 +243,14 @@ class OnlinePlanned(PlannedScheduler):
         else:
             super().on_instance_resumed(instance_id)
 
-    def priority(self, prompt_id: int) -> int:
+    def priority(self, prompt_id: int, start_version: int) -> int:
+        """Earliest deadline first: the last step allowed to consume the group (its start
+        version + η), so that an engine's queue and its preemption favour the groups the
+        trainer will wait on first; the tail round ahead of all."""
         g = self.index.get(prompt_id)
-        return TAIL_PRIORITY if g is not None and g in self._tail_started else 0
+        if g is not None and g in self._tail_started:
+            return TAIL_PRIORITY
+        return start_version + self.lag_bound
 
     # --- repair -------------------------------------------------------------------------------
     def repair_due(self, now: float, version: int) -> bool:

@@ -285,8 +285,8 @@ class _Renumbered(Scheduler):
     def pending(self, instance_id: int) -> int:
         return self.inner.pending(self.ids[instance_id])
 
-    def priority(self, prompt_id: int) -> int:
-        return self.inner.priority(prompt_id)
+    def priority(self, prompt_id: int, start_version: int) -> int:
+        return self.inner.priority(prompt_id, start_version)
 
     def repair_due(self, now: float, version: int) -> bool:
         return self.inner.repair_due(now, version)
