@@ -21,7 +21,8 @@ repairs the plan online (``long-tail-rollouts.md`` sections 1, 4.2 and 5):
   they are started longest first, together, at the highest engine priority, once the plan's
   other work is handed out or a whole batch of them has gathered, so that the long runs hold
   one step instead of every step. A prompt is deferred at most once per epoch, so the tail
-  round is never deferred again.
+  round is never deferred again. Every other group's engine priority is its deadline (start
+  version + η): earliest deadline first, in the engine's queue and in what it preempts.
 - **Tail lane** (``tail_instances``): instances the plan leaves out, whose load the layer caps
   at ``tail_max_seqs`` sequences, so that a sequence there decodes near its single-sequence
   speed. A running group whose projected finish on its bulk instance misses its deadline (the
