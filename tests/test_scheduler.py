@@ -226,7 +226,7 @@ def test_asp_priorities_are_deadlines_and_the_tail_round_goes_first():
         pass
     s.period_s = 200 * s.token_s
     s.defer_factor = 0.25
-    (defer,) = s.repair(waiting_view(s, 0.0))
+    assert [type(d) for d in s.repair(waiting_view(s, 0.0))] == [Defer]
     s.requeue([0])  # what the core does with a deferred group's prompt
     assert s.next_groups(0, 1) == [0]  # its regeneration: the tail round
     assert s.priority(0, 7) == TAIL_PRIORITY < min(s.priority(p, 0) for p in range(1, 16))
