@@ -238,9 +238,11 @@ def results_table(cells: Sequence[Cell], steps: int, warmup: int) -> Table:
         box=box.SIMPLE_HEAD,
         padding=(0, 1),
     )
-    columns = ("η", "policy", "steps", "iter s", "vs fifo", "length", "vs fifo", "epoch length")
-    columns = (*columns, "vs fifo", "lag")
-    for column in (*columns, "deferred", "migrated"):
+    columns = (
+        *("η", "policy", "steps", "iter s", "vs fifo", "length", "vs fifo", "epoch length"),
+        *("vs fifo", "lag", "deferred", "migrated"),
+    )
+    for column in columns:
         table.add_column(column, justify="right")
     categories = [c for c in BUBBLE_CATEGORIES if c not in ("paused", "down")]
     for category in categories:
