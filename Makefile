@@ -45,6 +45,7 @@ bench: setup-bench
 	$(BIN)/python bench/throughput.py
 	$(BIN)/python bench/dashboard.py
 	$(BIN)/python bench/peer.py
+	$(BIN)/python bench/spec_decode.py
 
 lint: setup
 	$(BIN)/ruff format --check .

@@ -15,7 +15,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -176,8 +176,11 @@ class WorkerPath:
         self.close()
 
 
-def bare_llm(config: Config, groups: int, seed: int) -> tuple[BareLLM, list[SamplingSpec]]:
-    """A bare engine configured like instance 0, and the sampling of each of ``groups`` groups."""
+def bare_llm(
+    config: Config, groups: int, seed: int, speculative: Mapping[str, Any] | None = None
+) -> tuple[BareLLM, list[SamplingSpec]]:
+    """A bare engine configured like instance 0 (plus vLLM's ``speculative_config``, if given),
+    and the sampling of each of ``groups`` groups."""
     from runtime.rollout.engine import BareLLM, EngineSpec, SamplingSpec, resolve_engine_kind
     from runtime.tasks import ensure_model
 
@@ -200,7 +203,7 @@ def bare_llm(config: Config, groups: int, seed: int) -> tuple[BareLLM, list[Samp
         )
         for position in range(groups)
     ]
-    return BareLLM(spec), specs
+    return BareLLM(spec, speculative), specs
 
 
 def compare_worker_to_bare_llm(
@@ -216,8 +219,8 @@ def compare_worker_to_bare_llm(
         with bare:
             worker.generate(prompts[:4])  # warm-up
             bare.generate(token_ids[:4], specs[:4])
-            worker_pass = _Timed(lambda: worker.generate(prompts))
-            bare_pass = _Timed(lambda: bare.generate(token_ids, specs))
+            worker_pass = Timed(lambda: worker.generate(prompts))
+            bare_pass = Timed(lambda: bare.generate(token_ids, specs))
             for number in range(passes):
                 # Alternate who goes first, so neither always runs right after the other.
                 first, second = (
@@ -233,7 +236,7 @@ def compare_worker_to_bare_llm(
     )
 
 
-class _Timed:
+class Timed:
     """Times each call of a pass that returns the tokens it generated."""
 
     def __init__(self, one_pass: Callable[[], int]) -> None:

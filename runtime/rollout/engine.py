@@ -28,7 +28,7 @@ import logging
 import os
 import time
 from abc import ABC, abstractmethod
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
@@ -677,21 +677,39 @@ class BareLLM:
     manager from a process with an ``if __name__ == "__main__"`` guard.
     """
 
-    def __init__(self, spec: EngineSpec) -> None:
+    def __init__(self, spec: EngineSpec, speculative: Mapping[str, Any] | None = None) -> None:
         from vllm import LLM
 
+        args = _engine_args(spec)
+        self._speculative = speculative is not None
+        if speculative is not None:
+            # vLLM's ``speculative_config``; stats on, so that ``acceptance`` can read them.
+            args |= {"speculative_config": dict(speculative), "disable_log_stats": False}
         if spec.engine == "inproc":
             # vllm.LLM reads this when it builds its engine: step the core in this process.
             os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
-            self._llm = LLM(**_engine_args(spec), distributed_executor_backend="uni")
+            self._llm = LLM(**args, distributed_executor_backend="uni")
         else:
-            self._llm = LLM(**_engine_args(spec))
+            self._llm = LLM(**args)
 
     def generate(self, prompts: Sequence[Sequence[int]], sampling: Sequence[SamplingSpec]) -> int:
         params = [_sampling_params(s) for s in sampling]
         inputs = [{"prompt_token_ids": list(map(int, p))} for p in prompts]
         outputs = self._llm.generate(inputs, params, use_tqdm=False)
         return sum(len(c.token_ids) for o in outputs for c in o.outputs)
+
+    def acceptance(self) -> tuple[int, int]:
+        """``(draft tokens proposed, draft tokens accepted)`` so far; (0, 0) without a
+        speculative config."""
+        drafted = accepted = 0
+        if not self._speculative:
+            return drafted, accepted
+        for metric in self._llm.get_metrics():
+            if metric.name == "vllm:spec_decode_num_draft_tokens":
+                drafted += int(getattr(metric, "value", 0))
+            elif metric.name == "vllm:spec_decode_num_accepted_tokens":
+                accepted += int(getattr(metric, "value", 0))
+        return drafted, accepted
 
     def close(self) -> None:
         self._llm.llm_engine.engine_core.shutdown()
