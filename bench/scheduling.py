@@ -20,9 +20,10 @@ checks, and the time to plan 1M groups on 64 instances.
         [--dispatch continuous]
 
 Issue 11's cells: ``--honest --k 16 64 --lag-bound 1 2`` (noise 0 only: one sample is the prior,
-the others are what comes). The goals table also gives the mean length of the consumed samples
-against fifo's (deferral must not bias training towards short answers), and the deferred and
-migrated group counts.
+the others are what comes). A second table splits each run's time into the fill (step 0), the
+steady steps and the drain (the last step). The goals table also gives the mean length of the
+consumed samples against fifo's (deferral must not bias training towards short answers), and the
+deferred and migrated group counts.
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ from runtime.protocol import BUBBLE_CATEGORIES
 from runtime.scheduler import CostModel, GroupSpec, InstanceSpec, make_scheduler
 from runtime.scheduler.lengths import read_lengths
 from runtime.sim.compare import compare
+from runtime.sim.engine import SimResult
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "lengths"
 TRACES = {
@@ -115,6 +117,28 @@ def _mean_result(rs) -> dict[str, float]:
     return out
 
 
+def _phases_table(phases: list[tuple[str, int, int, str, SimResult]]) -> Table:
+    """Where the time goes in each run (noise 0, split 0): the fill (step 0, until the first
+    batch is ready), the full steps after it, and the drain (the last step)."""
+    t = Table(title="where the time goes (noise 0, split 0)", box=box.SIMPLE_HEAD)
+    for col in ("trace", "K", "η", "policy", "steps", "fill s", "steady s", "drain s", "total s"):
+        t.add_column(col, justify="right")
+    for trace, k, eta, policy, r in phases:
+        d = r.iteration_times
+        t.add_row(
+            trace,
+            str(k),
+            str(eta),
+            policy,
+            str(r.steps),
+            f"{d[0]:.2f}" if d.size else "-",
+            f"{r.steady_iteration_s:.2f}",
+            f"{d[-1]:.2f}" if d.size > 1 else "-",
+            f"{r.makespan_s:.1f}",
+        )
+    return t
+
+
 def time_1m(k: int = 64, g: int = 1_000_000) -> dict[str, float]:
     rng = np.random.default_rng(1)
     lens = np.maximum(1, rng.lognormal(5.7, 0.9, g)).astype(int).tolist()
@@ -169,6 +193,7 @@ def main(argv: list[str] | None = None) -> int:
     t.add_column("starv", justify="right")
     t.add_column("lagw", justify="right")
     goals = []
+    phases: list[tuple[str, int, int, str, SimResult]] = []
     last_fifo = 1.0
     t0 = time.perf_counter()
     splits = (0,) if args.quick else (0, 1, 2)
@@ -177,6 +202,8 @@ def main(argv: list[str] | None = None) -> int:
         for noise in (*noises, None):
             runs = [run_one(trace, k, noise, eta, args.dispatch, sp)[0] for sp in splits]
             pols = POLICIES if noise is not None else ("asp",)
+            if noise == 0:
+                phases.extend((trace, k, eta, p, runs[0][p]) for p in pols)
             agg = {p: _mean_result([r[p] for r in runs]) for p in pols}
             fifo = agg["fifo"]["iter"] if noise is not None else last_fifo
             for p in pols:
@@ -221,6 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             )
     con.print(t)
     con.print(f"simulated in {time.perf_counter() - t0:.1f} s")
+    con.print(_phases_table(phases))
     g = Table(title="goals (asp)", box=box.SIMPLE_HEAD)
     for col in (
         "trace",
