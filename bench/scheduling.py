@@ -50,6 +50,9 @@ TRACES = {
     "castillo": "castillo_10samples_per_prompt_test.csv",
     "seqsched": "seqsched_vicuna7b_alpaca_4temps.csv",
 }
+MAX_TOKENS = {"castillo": 15_001, "seqsched": 514}
+"""Each trace's generation cap (shared/data/lengths/SOURCES.md), which the plans know as a live
+run's know ``rollout.sampling.max_tokens``."""
 POLICIES = ("fifo", "sorted", "asp")
 C = 128
 
@@ -96,6 +99,7 @@ def run_one(trace: str, k: int, noise: float | None, lag_bound: int, dispatch: s
         cost_model=cost,
         prompt_tokens=ptok,
         dispatch=dispatch,
+        max_tokens=MAX_TOKENS[trace],
     ), b
 
 

@@ -116,6 +116,13 @@ def _common(p: argparse.ArgumentParser) -> None:
         metavar="R",
         help="trainer throughput in tokens/s (default: CostModel.sized_for(K))",
     )
+    p.add_argument(
+        "--max-tokens",
+        type=_positive,
+        metavar="T",
+        help="the sampling cap (rollout.sampling.max_tokens): no prediction goes past it "
+        "(default: none)",
+    )
     p.add_argument("--json", action="store_true", help="print JSON instead of tables")
     p.add_argument("--seed", type=int, default=0, help="planning seed (default %(default)s)")
 
@@ -232,6 +239,7 @@ def run_plan(args: argparse.Namespace) -> int:
             cost_model=st.cost,
             seed=args.seed,
             dispatch=args.dispatch,
+            max_tokens=args.max_tokens,
         )
 
     sched = build()
@@ -367,6 +375,7 @@ def run_simulate(args: argparse.Namespace) -> int:
         prompt_tokens=st.prompt_tokens,
         dispatch=args.dispatch,
         seed=args.seed,
+        max_tokens=args.max_tokens,
     )
     pm = [float(np.mean(g.predicted_lengths)) if g.predicted_lengths else 0.0 for g in st.groups]
     am = [float(np.mean(st.actual_map[g.prompt_id])) for g in st.groups]

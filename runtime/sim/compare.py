@@ -24,9 +24,11 @@ def compare(
     prompt_tokens: Mapping[int, int] | None = None,
     dispatch: str = "continuous",
     seed: int = 0,
+    max_tokens: int | None = None,
 ) -> dict[str, SimResult]:
     """Plan and simulate each policy on the same input. Sorting is reported in excess of fifo's
-    (fifo always runs first, as the baseline, even when not asked for)."""
+    (fifo always runs first, as the baseline, even when not asked for). ``max_tokens`` is the
+    sampling cap that the plans know, as a live run's do (None: none)."""
     cost = cost_model or CostModel()
     out: dict[str, SimResult] = {}
 
@@ -39,6 +41,7 @@ def compare(
             lag_bound=lag_bound,
             cost_model=cost,
             seed=seed,
+            max_tokens=max_tokens,
         )
         return simulate(
             s,
