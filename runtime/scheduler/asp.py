@@ -233,6 +233,9 @@ def plan_asp(
     # Score on a subsample with the cluster scaled down in proportion, so per-instance load,
     # batch size relative to capacity and the lag window look the same.
     sub_groups, sub_inst, sub_b = _subsample(groups, instances, batch_groups, rng)
+    # The trainer shrinks with them: with the whole cluster's trainer, a scaled-down cluster
+    # would see it several times too fast, and a plan that starves it early would score well.
+    sub_cost = cost_model.trainer_share(sub_b / batch_groups)
     # The whole epoch's default and cap: a subsample of unknowns must not fall back further.
     sub_pred = Predictions.of(sub_groups, fallback=pred.default, limit=pred.limit)
     if len(groups) > 100_000:
@@ -247,7 +250,7 @@ def plan_asp(
             sub_inst,
             batch_groups=sub_b,
             lag_bound=lag_bound,
-            cost_model=cost_model,
+            cost_model=sub_cost,
             predictions=sub_pred,
         )
         runs = []
@@ -260,7 +263,7 @@ def plan_asp(
                 plan,
                 batch_groups=sub_b,
                 lag_bound=lag_bound,
-                cost_model=cost_model,
+                cost_model=sub_cost,
                 predictions=sub_pred,
                 defer_factor=defer_factor,
             )
@@ -272,7 +275,7 @@ def plan_asp(
                     sub_inst,
                     batch_groups=sub_b,
                     lag_bound=lag_bound,
-                    cost_model=cost_model,
+                    cost_model=sub_cost,
                     dispatch=dispatch,
                 )
             )

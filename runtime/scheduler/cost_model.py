@@ -96,6 +96,14 @@ class CostModel:
         ``rollout.sim.trainer_step_s``)."""
         return replace(self, trainer_base_s=seconds, trainer_tokens_per_s=math.inf)
 
+    def trainer_share(self, fraction: float) -> CostModel:
+        """This model for a cluster and a trainer batch both scaled by ``fraction`` (a planner's
+        subsample): the trainer's token rate scales with them, so that its step on the scaled
+        batch takes as long as on the whole one."""
+        if not 0 < fraction <= 1:
+            raise ValueError(f"CostModel.trainer_share: fraction {fraction} must be in (0, 1]")
+        return replace(self, trainer_tokens_per_s=self.trainer_tokens_per_s * fraction)
+
     def scaled(self, factor: float) -> CostModel:
         """This model with every duration multiplied by ``factor`` (rates divided by it): the
         sim backend's model in wall seconds is ``scaled(1 / rollout.sim.time_scale)``."""
