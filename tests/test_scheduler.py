@@ -417,6 +417,18 @@ def test_cost_model_scaled_multiplies_every_duration():
         cm.scaled(0.0)
 
 
+def test_cost_model_trainer_share_keeps_the_step_of_a_scaled_batch():
+    cm = CostModel.sized_for(64)
+    quarter = cm.trainer_share(0.25)
+    assert quarter.trainer_step_s(24_000) == pytest.approx(cm.trainer_step_s(96_000))
+    assert quarter.decode_step_s(9, 900.0) == cm.decode_step_s(9, 900.0)
+    fixed = cm.with_fixed_trainer_step(2.0).trainer_share(0.25)
+    assert fixed.trainer_step_s(24_000) == pytest.approx(2.0)
+    for bad in (0.0, 1.5):
+        with pytest.raises(ValueError, match="fraction"):
+            cm.trainer_share(bad)
+
+
 def test_cost_model_steps_and_fit():
     cm = CostModel()
     assert cm.decode_step_s(0, 0) == 0.0

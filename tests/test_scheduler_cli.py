@@ -159,6 +159,25 @@ def test_missing_file_and_bad_flags(capsys):
     assert e.value.code == 2
 
 
+def test_max_tokens_caps_the_predictions_a_plan_sorts_on(tmp_path, capsys):
+    lengths = tmp_path / "p.csv"
+    lengths.write_text("prompt_id,output_tokens\n" + "".join(f"{p},{60 - p}\n" for p in range(40)))
+
+    def sorted_plan(*cap: str) -> list[int]:
+        out = tmp_path / "plan.csv"
+        argv = ["plan", "--lengths", str(lengths), "--instances", "1", "--policy", "sorted"]
+        assert cli([*argv, "--out", str(out), *cap]) == 0
+        return [int(r["prompt_id"]) for r in csv.DictReader(out.open())]
+
+    assert sorted_plan() == list(range(39, -1, -1))  # shortest (60 - p) first
+    # Past the cap every prediction is the cap: those prompts tie and keep the file's order.
+    assert sorted_plan("--max-tokens", "30") == [*range(39, 30, -1), *range(31)]
+    with pytest.raises(SystemExit) as e:
+        cli(["simulate", "--lengths", str(lengths), "--instances", "1", "--max-tokens", "0"])
+    assert e.value.code == 2
+    assert "--max-tokens" in capsys.readouterr().err
+
+
 # --- string prompt ids ----------------------------------------------------------------------
 
 
