@@ -35,12 +35,15 @@ from runtime.rollout.engine import BareLLM, SamplingSpec
 
 @dataclasses.dataclass(frozen=True)
 class Cell:
+    """One row pair of the table: a load (sequences decoded together) at one temperature."""
+
     load: str
     sequences: int
     temperature: float
 
 
 def _ngram(draft_tokens: int) -> dict[str, Any]:
+    """vLLM's ``speculative_config`` for prompt-lookup drafts of ``draft_tokens`` tokens."""
     return {
         "method": "ngram",
         "num_speculative_tokens": draft_tokens,
