@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 from runtime.config import load_config
 from runtime.controller.work import TaskData, WorkQueue
 from runtime.scheduler import CostModel, GroupSpec, InstanceSpec, make_scheduler
-from runtime.scheduler.asp import VARIANTS, build_variant
+from runtime.scheduler.asp import VARIANTS, _noisy_actual, build_variant
 from runtime.scheduler.base import Defer, Predictions, RolloutView, Running
 from runtime.scheduler.lengths import (
     LengthHistory,
@@ -402,6 +402,29 @@ def test_lpt_and_karmarkar_karp_balance():
     fast = lpt([1.0] * 30, [2.0, 1.0])
     assert len(fast[0]) == 20
     assert snake(7, 3).tolist() == [0, 1, 2, 2, 1, 0, 0]
+
+
+def test_asp_scoring_draws_shrink_a_one_sample_prior_towards_the_mean():
+    """A prompt predicted long from one sample is often a fluke: the scorer's draws for it come
+    out shorter (and the short ones longer), while a prediction from many samples stays put."""
+    rng = np.random.default_rng(3)
+    means = rng.lognormal(5.0, 0.6, size=3000)
+
+    def predicted(samples: int) -> list[GroupSpec]:
+        return [
+            GroupSpec(p, 4, tuple(np.round(m * rng.lognormal(0.0, 0.4, samples)).astype(int)))
+            for p, m in enumerate(means)
+        ]
+
+    for samples, (low, high) in ((1, (0.55, 0.85)), (64, (0.9, 1.1))):
+        groups = predicted(samples)
+        pred = Predictions.of(groups)
+        draws = _noisy_actual(groups, np.random.default_rng(0), 0.4, pred, tail_p=0.0)
+        prior = np.array([np.mean(g.predicted_lengths) for g in groups])
+        drawn = np.array([np.median(draws[g.prompt_id]) for g in groups])
+        top = prior >= np.quantile(prior, 0.9)
+        assert low < np.median(drawn[top] / prior[top]) < high, samples
+        assert np.median(drawn) == pytest.approx(np.median(prior), rel=0.1)
 
 
 # --- cost model ----------------------------------------------------------------------------

@@ -169,14 +169,32 @@ def _noisy_actual(
     pred: Predictions,
     tail_p: float,
 ) -> dict[int, tuple[int, ...]]:
-    """Plausible actual lengths around the predictions (``pred``, the groups'): each sample is
-    the predicted mean times log-normal noise (mean 1), and with probability ``tail_p`` a
-    degenerate run to the cap (the longest prediction), the long tail that no single-sample
-    prediction foresees; none past ``pred.limit`` (max_tokens), where the engine cuts."""
+    """Plausible actual lengths of the groups, given their predictions (``pred``).
+
+    A prediction from m samples is an estimate of its prompt's (log) mean length that is off by
+    ``sigma`` / sqrt(m), ``sigma`` being a sample's spread around its prompt's mean. Read the
+    empirical-Bayes way, the prompt's mean is the prediction shrunk towards the epoch's mean by
+    between / (between + sigma^2 / m), ``between`` being the spread of the prompts' means (the
+    predictions' spread less that of their error), and drawn with what spread is left. A prompt
+    predicted long from one fluke long sample thus has shorter siblings behind it, as in the
+    data; a prediction from many samples stays where it is. Each sample then adds its own
+    ``sigma``, and with probability ``tail_p`` is a degenerate run to the cap (the longest
+    prediction), the long tail that no earlier sample foresees; none goes past ``pred.limit``
+    (max_tokens), where the engine cuts."""
+    if not groups:
+        return {}
     cap = float(pred.longest.max()) if len(pred.longest) else pred.default
+    sizes = np.array([g.n for g in groups], dtype=float)
+    samples = np.array([max(1, len(g.predicted_lengths or ())) for g in groups], dtype=float)
+    log_mean = np.log(np.maximum(1.0, pred.tokens / sizes))
+    error_var = sigma * sigma / samples
+    between = max(1e-6, float(log_mean.var()) - float(error_var.mean()))
+    shrink = between / (between + error_var)
+    centre = log_mean.mean() + shrink * (log_mean - log_mean.mean())
+    centre = rng.normal(centre, np.sqrt(shrink * error_var))
     out = {}
     for k, g in enumerate(groups):
-        x = pred.tokens[k] / g.n * rng.lognormal(-sigma * sigma / 2, sigma, size=g.n)
+        x = np.exp(centre[k] + rng.normal(0.0, sigma, size=g.n))
         x = np.minimum(np.where(rng.random(g.n) < tail_p, max(cap, x.max()), x), pred.limit)
         out[g.prompt_id] = tuple(np.maximum(1, np.round(x)).astype(int).tolist())
     return out
@@ -201,8 +219,9 @@ def plan_asp(
     """Build the candidates, score them in the simulator, return the best plan.
 
     Each candidate is scored by its mean simulated iteration time over ``draws`` noisy
-    realisations of the predictions (``noise_sigma``: log-normal spread per sample, 0.4 is about
-    the within-group spread of the grouped traces; ``tail_p``: chance per sample of a run to the
+    realisations of the predictions (``_noisy_actual``; ``noise_sigma``: log-normal spread of a
+    sample around its prompt's mean, 0.4 is about the within-group spread of the grouped traces,
+    0.31 castillo and 0.39 seqsched; ``tail_p``: chance per sample of a run to the
     cap, 0.1-1% in shared/data/lengths; None: the share of the predictions' own samples at the
     cap, at least ``MIN_TAIL_P``, since a prior sample runs to the cap as often as a new one).
     All candidates see the same draws. ``predictions``
