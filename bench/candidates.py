@@ -1,0 +1,105 @@
+"""Each of asp's candidate plans forced, against the better of fifo and sorted (issue 11).
+
+asp builds several candidate plans (``runtime.scheduler.asp.VARIANTS``) and scores them on a
+noisy subsample to pick one. This bench skips the pick: every candidate is planned and served
+at full scale with the online layer, in the simulator, on the same input as fifo and sorted
+(``bench/scheduling.py``'s set-up: split ``--split``, one sample as the prior, the others what
+comes). ``--oracle`` plans on the exact lengths instead: the most any predictor (Seer's probe
+included) could give these candidates. The best cell of a row is the ceiling of asp's pick.
+
+    .venv/bin/python bench/candidates.py [--trace seqsched] [--k 16 64] [--lag-bound 1 2]
+        [--split 0] [--oracle]
+
+seqsched's four cells take about 4 minutes, with or without ``--oracle``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from rich import box
+from rich.console import Console
+from rich.table import Table
+from scheduling import MAX_TOKENS, TRACES, C, setup
+
+from runtime.scheduler import CostModel, InstanceSpec, make_scheduler
+from runtime.scheduler.asp import VARIANTS, build_variant
+from runtime.scheduler.base import Predictions
+from runtime.scheduler.online import OnlinePlanned
+from runtime.sim.engine import simulate
+
+BASELINES = ("fifo", "sorted")
+
+
+def run_cell(trace: str, k: int, lag_bound: int, split: int, oracle: bool) -> dict[str, float]:
+    """Iteration s of fifo and sorted (on the one-sample prior) and of every candidate (on the
+    prior, or on the exact lengths with ``oracle``), all on the same actual lengths."""
+    honest, actual, ptok, n = setup(trace, 0.0, split)
+    planned = setup(trace, None, split)[0] if oracle else honest
+    instances = [InstanceSpec(i, C) for i in range(k)]
+    b = math.ceil(k * C / n)
+    cost = CostModel.sized_for(k, max_num_seqs=C)
+    cap = MAX_TOKENS[trace]
+    sim = dict(batch_groups=b, lag_bound=lag_bound, cost_model=cost)
+    out: dict[str, float] = {}
+    for policy in BASELINES:
+        s = make_scheduler(policy, honest, instances, **sim, max_tokens=cap)
+        out[policy] = simulate(s, honest, actual, instances, **sim, prompt_tokens=ptok).iteration_s
+    pred = Predictions.of(planned, limit=cap)
+    for v in VARIANTS:
+        plan = build_variant(v, planned, instances, **sim, predictions=pred)
+        s = OnlinePlanned(v, planned, instances, plan, **sim, predictions=pred)
+        out[v] = simulate(s, planned, actual, instances, **sim, prompt_tokens=ptok).iteration_s
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    ap.add_argument("--trace", choices=tuple(TRACES), nargs="+", default=["seqsched"])
+    ap.add_argument("--k", type=int, nargs="+", default=[16, 64], help="instances")
+    ap.add_argument("--lag-bound", type=int, nargs="+", default=[1, 2], help="η")
+    ap.add_argument("--split", type=int, default=0, help="which sample is the prior (0-2)")
+    ap.add_argument("--oracle", action="store_true", help="plan the candidates on exact lengths")
+    args = ap.parse_args(argv)
+    if min(args.lag_bound) < 0 or min(args.k) < 1 or not 0 <= args.split <= 2:
+        ap.error("--lag-bound must be >= 0, --k >= 1 and --split 0, 1 or 2")
+    con = Console(width=140)
+    prior = "exact lengths" if args.oracle else "one sample"
+    t = Table(
+        title=f"asp's candidates forced, planned on {prior} (split {args.split}): "
+        "iteration s / best(fifo, sorted)",
+        box=box.SIMPLE,
+    )
+    for col in ("trace", "K", "η", "fifo s", "sorted s", *VARIANTS, "best"):
+        t.add_column(col, justify="right")
+    t0 = time.perf_counter()
+    for trace in args.trace:
+        for k in args.k:
+            for eta in args.lag_bound:
+                con.print(f"[dim]{trace} K={k} η={eta} ...[/]")
+                r = run_cell(trace, k, eta, args.split, args.oracle)
+                base = min(r[p] for p in BASELINES)
+                ratios = {v: r[v] / base for v in VARIANTS}
+                best = min(ratios, key=ratios.__getitem__)
+                t.add_row(
+                    trace,
+                    str(k),
+                    str(eta),
+                    f"{r['fifo']:.2f}",
+                    f"{r['sorted']:.2f}",
+                    *(f"{ratios[v]:.3f}" for v in VARIANTS),
+                    f"{best} {ratios[best]:.3f}",
+                )
+    con.print(t)
+    con.print(f"simulated in {time.perf_counter() - t0:.1f} s")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
