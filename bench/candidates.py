@@ -4,13 +4,16 @@ asp builds several candidate plans (``runtime.scheduler.asp.VARIANTS``) and scor
 noisy subsample to pick one. This bench skips the pick: every candidate is planned and served
 at full scale with the online layer, in the simulator, on the same input as fifo and sorted
 (``bench/scheduling.py``'s set-up: split ``--split``, one sample as the prior, the others what
-comes). ``--oracle`` plans on the exact lengths instead: the most any predictor (Seer's probe
-included) could give these candidates. The best cell of a row is the ceiling of asp's pick.
+comes). ``--oracle`` plans on the exact lengths instead: the most any predictor could give these
+candidates. ``--probe`` plans on the prior plus one actual member of every group, known for
+free: what Seer's probe would learn, without its costs (the probe's latency, the lag budget it
+spends, a member started apart from its siblings), so an upper bound on what the probe gives.
+The best cell of a row is the ceiling of asp's pick.
 
     .venv/bin/python bench/candidates.py [--trace seqsched] [--k 16 64] [--lag-bound 1 2]
-        [--split 0] [--oracle]
+        [--split 0] [--oracle | --probe]
 
-seqsched's four cells take about 2.5 minutes (4 with ``--oracle``).
+seqsched's four cells take about 2.5 minutes (4 with ``--oracle`` or ``--probe``).
 """
 
 from __future__ import annotations
@@ -30,18 +33,29 @@ from scheduling import MAX_TOKENS, TRACES, C, setup
 
 from runtime.scheduler import CostModel, InstanceSpec, make_scheduler
 from runtime.scheduler.asp import VARIANTS, build_variant
-from runtime.scheduler.base import Predictions
+from runtime.scheduler.base import GroupSpec, Predictions
 from runtime.scheduler.online import OnlinePlanned
 from runtime.sim.engine import simulate
 
 BASELINES = ("fifo", "sorted")
 
 
-def run_cell(trace: str, k: int, lag_bound: int, split: int, oracle: bool) -> dict[str, float]:
-    """Iteration s of fifo and sorted (on the one-sample prior) and of every candidate (on the
-    prior, or on the exact lengths with ``oracle``), all on the same actual lengths."""
+PRIORS = ("sample", "probe", "oracle")
+
+
+def run_cell(trace: str, k: int, lag_bound: int, split: int, prior: str) -> dict[str, float]:
+    """Iteration s of fifo and sorted (on the one-sample prior) and of every candidate planned
+    on ``prior`` (one of ``PRIORS``), all on the same actual lengths."""
     honest, actual, ptok, n = setup(trace, 0.0, split)
-    planned = setup(trace, None, split)[0] if oracle else honest
+    if prior == "oracle":
+        planned = setup(trace, None, split)[0]
+    elif prior == "probe":
+        planned = [
+            GroupSpec(g.prompt_id, g.n, (*(g.predicted_lengths or ()), actual[g.prompt_id][0]))
+            for g in honest
+        ]
+    else:
+        planned = honest
     instances = [InstanceSpec(i, C) for i in range(k)]
     b = math.ceil(k * C / n)
     cost = CostModel.sized_for(k, max_num_seqs=C)
@@ -65,7 +79,13 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--k", type=int, nargs="+", default=[16, 64], help="instances")
     ap.add_argument("--lag-bound", type=int, nargs="+", default=[1, 2], help="η")
     ap.add_argument("--split", type=int, default=0, help="which sample is the prior (0-2)")
-    ap.add_argument("--oracle", action="store_true", help="plan the candidates on exact lengths")
+    known = ap.add_mutually_exclusive_group()
+    known.add_argument("--oracle", action="store_true", help="plan the candidates on exact lengths")
+    known.add_argument(
+        "--probe",
+        action="store_true",
+        help="plan on the prior plus one actual member per group, for free (the probe's ceiling)",
+    )
     args = ap.parse_args(argv)
     if min(args.lag_bound) < 0:
         ap.error(f"--lag-bound: {min(args.lag_bound)} is negative; η must be >= 0")
@@ -74,9 +94,14 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 <= args.split <= 2:
         ap.error(f"--split: {args.split} is not 0, 1 or 2 (the sample that is the prior)")
     con = Console(width=140)
-    prior = "exact lengths" if args.oracle else "one sample"
+    prior = "oracle" if args.oracle else "probe" if args.probe else "sample"
+    described = {
+        "sample": "one sample",
+        "probe": "one sample + one free probe",
+        "oracle": "exact lengths",
+    }[prior]
     t = Table(
-        title=f"asp's candidates forced, planned on {prior} (split {args.split}): "
+        title=f"asp's candidates forced, planned on {described} (split {args.split}): "
         "iteration s / best(fifo, sorted)",
         box=box.SIMPLE,
     )
@@ -87,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         for k in args.k:
             for eta in args.lag_bound:
                 con.print(f"[dim]{trace} K={k} η={eta} ...[/]")
-                r = run_cell(trace, k, eta, args.split, args.oracle)
+                r = run_cell(trace, k, eta, args.split, prior)
                 base = min(r[p] for p in BASELINES)
                 ratios = {v: r[v] / base for v in VARIANTS}
                 best = min(ratios, key=ratios.__getitem__)
