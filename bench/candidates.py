@@ -40,7 +40,12 @@ from runtime.sim.engine import simulate
 BASELINES = ("fifo", "sorted")
 
 
-PRIORS = ("sample", "probe", "oracle")
+PRIORS = {
+    "sample": "one sample",
+    "probe": "one sample + one free probe",
+    "oracle": "exact lengths",
+}
+"""What the candidates may be planned on, and how the table's title names it."""
 
 
 def run_cell(trace: str, k: int, lag_bound: int, split: int, prior: str) -> dict[str, float]:
@@ -95,13 +100,8 @@ def main(argv: list[str] | None = None) -> int:
         ap.error(f"--split: {args.split} is not 0, 1 or 2 (the sample that is the prior)")
     con = Console(width=140)
     prior = "oracle" if args.oracle else "probe" if args.probe else "sample"
-    described = {
-        "sample": "one sample",
-        "probe": "one sample + one free probe",
-        "oracle": "exact lengths",
-    }[prior]
     t = Table(
-        title=f"asp's candidates forced, planned on {described} (split {args.split}): "
+        title=f"asp's candidates forced, planned on {PRIORS[prior]} (split {args.split}): "
         "iteration s / best(fifo, sorted)",
         box=box.SIMPLE,
     )
