@@ -12,9 +12,10 @@ from hypothesis import strategies as st
 
 from runtime.config import load_config
 from runtime.controller.work import TaskData, WorkQueue
+from runtime.protocol import Lane
 from runtime.scheduler import CostModel, GroupSpec, InstanceSpec, make_scheduler
 from runtime.scheduler.asp import VARIANTS, _noisy_actual, build_variant
-from runtime.scheduler.base import Defer, Predictions, RolloutView, Running
+from runtime.scheduler.base import Defer, Move, Predictions, RolloutView, Running
 from runtime.scheduler.lengths import (
     LengthHistory,
     LengthsFileError,
@@ -23,6 +24,7 @@ from runtime.scheduler.lengths import (
     read_lengths,
     write_lengths,
 )
+from runtime.scheduler.online import TAIL_PRIORITY
 from runtime.scheduler.partition import karmarkar_karp, lpt, snake
 
 DATA = Path(__file__).parent / "data"
@@ -212,6 +214,28 @@ def test_defer_factor_sets_how_late_is_too_late():
     # 100 tokens left: over a quarter period, inside a whole one.
     assert [type(d) for d in strict.repair(waiting_view(strict, 0.0))] == [Defer]
     assert lenient.repair(waiting_view(lenient, 0.0)) == []
+
+
+def test_a_group_late_for_its_deadline_moves_to_the_tail_lane_once():
+    # Prompt 0 is predicted at 100 tokens, prompt 1 at 10; the deadline falls at 80 tokens' time.
+    groups = groups_of([(100, 100), (10, 10)] + [(50, 50)] * 6, n=2)
+    inst = [InstanceSpec(0, 32), InstanceSpec(1, 32)]
+    s = make_scheduler(
+        "asp", groups, inst, batch_groups=4, lag_bound=1, tail_instances=1, tail_max_seqs=8
+    )
+    assert s.lane(1) is Lane.TAIL and s.tail_ids == {1}
+    s.period_s, s.train_s = 40 * s.token_s, 0.0
+    running = tuple(
+        Running(group_id=p, prompt_id=p, instance_id=0, start_version=0, dispatched_at=0.0)
+        for p in (0, 1)
+    )
+    view = RolloutView(10 * s.token_s, 0, 0, s.batch_groups, (), running)
+    [late] = s.late(view)
+    assert (late.running.prompt_id, late.n) == (0, 2)
+    assert (late.generated, late.left) == (pytest.approx(10.0), pytest.approx(90.0))
+    assert s.repair(view) == [Move(0, 1, TAIL_PRIORITY)]
+    assert s.late(view) == []  # a group moves at most once an epoch
+    assert s.repair(view) == []
 
 
 def test_asp_priorities_are_deadlines_and_the_tail_round_goes_first():

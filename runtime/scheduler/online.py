@@ -35,6 +35,7 @@ repairs the plan online (``long-tail-rollouts.md`` sections 1, 4.2 and 5):
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -55,6 +56,19 @@ from runtime.scheduler.cost_model import CostModel, iteration_estimate
 TAIL_PRIORITY = -1
 """Engine priority of a regenerated (deferred) group: ahead of everything planned (whose
 priorities are deadlines, never negative)."""
+
+
+@dataclass(frozen=True, slots=True)
+class Late:
+    """A running group projected to miss its deadline where it runs."""
+
+    running: Running
+    n: int
+    """Its samples."""
+    generated: float
+    """Tokens its longest member has generated (bounded from the time it has run)."""
+    left: float
+    """Tokens its longest member is expected to need still."""
 
 
 class OnlinePlanned(PlannedScheduler):
@@ -303,32 +317,37 @@ class OnlinePlanned(PlannedScheduler):
         published = self._published.get(start_version, self._version_at)
         return published + (self.lag_bound + 1) * self.period_s - self.train_s
 
-    def _to_tail(self, view: RolloutView) -> list[Move]:
-        """Moves of the running groups that miss their deadline on a bulk instance and would
-        finish sooner on the tail lane, longest projected remainder first, while it has room."""
-        if not self.tail_active:
-            return []
-        late: list[tuple[float, Running, int]] = []
+    def late(self, view: RolloutView) -> list[Late]:
+        """The running groups on bulk instances projected to finish after their deadline there,
+        not moved yet this epoch, longest remainder first."""
+        out: list[Late] = []
         for r in view.running:
             g = self.index.get(r.prompt_id)
             if g is None or r.instance_id in self.tail_ids or r.prompt_id in self.moved:
                 continue
             generated = max(0.0, view.now - r.dispatched_at) / self.token_s
             left = self.estimate(g, generated) - generated
-            if view.now + left * self.token_s <= self.deadline(r.start_version):
-                continue
+            if view.now + left * self.token_s > self.deadline(r.start_version):
+                out.append(Late(r, self.groups[g].n, generated, left))
+        out.sort(key=lambda x: -x.left)
+        return out
+
+    def _to_tail(self, view: RolloutView) -> list[Move]:
+        """Moves of the late groups (``late``) that would finish sooner on the tail lane, longest
+        projected remainder first, while it has room."""
+        if not self.tail_active:
+            return []
+        out: list[Move] = []
+        for x in self.late(view):
             # The move's prefill of prompt plus partial output is the tail's price; it pays
             # when the remainder's saving exceeds it.
-            saving = left * (self.token_s - self.tail_token_s)
-            if saving > self.cost_model.prefill_s(self.groups[g].n * generated):
-                late.append((left, r, self.groups[g].n))
-        late.sort(key=lambda x: -x[0])
-        out: list[Move] = []
-        for _, r, n in late:
+            saving = x.left * (self.token_s - self.tail_token_s)
+            if saving <= self.cost_model.prefill_s(x.n * x.generated):
+                continue
             to = max(self.tail_active, key=lambda i: (-self._tail_seqs[i], -i))
-            if self._tail_seqs[to] + n > self.tail_max_seqs:
+            if self._tail_seqs[to] + x.n > self.tail_max_seqs:
                 break
-            self.moved.add(r.prompt_id)
-            self._join_tail(r.prompt_id, to)
-            out.append(Move(r.group_id, to, TAIL_PRIORITY))
+            self.moved.add(x.running.prompt_id)
+            self._join_tail(x.running.prompt_id, to)
+            out.append(Move(x.running.group_id, to, TAIL_PRIORITY))
         return out
