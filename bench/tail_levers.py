@@ -12,6 +12,8 @@ to miss their deadline (``OnlinePlanned.late``):
   holds under ``--ratio`` of the sequences of its own and the saving beats the re-prefill;
 - ``hop+hold``: a hop whose destination then gets no new work until the group finishes.
 
+``lane`` is the reserved lane as built, one instance of 16 sequences, for comparison.
+
 Each is served on asp's best candidate for the cell (split 0, one sample as the prior, as
 ``bench/candidates.py`` finds it) and printed as iteration s / best(fifo, sorted).
 
@@ -29,6 +31,7 @@ import sys
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -40,7 +43,7 @@ from scheduling import MAX_TOKENS, C, setup
 
 from runtime.scheduler import CostModel, InstanceSpec, make_scheduler
 from runtime.scheduler.asp import build_variant
-from runtime.scheduler.base import Defer, Move, Predictions, RolloutView
+from runtime.scheduler.base import Defer, Move, Plan, Predictions, RolloutView
 from runtime.scheduler.online import TAIL_PRIORITY, OnlinePlanned
 from runtime.sim.engine import simulate
 
@@ -49,9 +52,12 @@ BEST_CANDIDATE = {(16, 1): "ascending", (16, 2): "ascending", (64, 1): "homogene
 """asp's best candidate per (K, η) on split 0 with the one-sample prior (``bench/candidates.py``);
 homogeneous elsewhere."""
 
+TAIL_MAX_SEQS = 16
+"""Sequences on the reserved lane's one instance (``lane``; ``scheduler.tail_max_seqs``)."""
+
 CONTEXT_TOKENS = 300.0
-"""Mean context per sequence for the hop's cost comparison (seqsched's prompt plus half its
-mean output, rounded up)."""
+"""Context per sequence the hop's cost comparison assumes: about what a late group holds midway
+(the trace gives no prompt lengths, and its late groups run to 300-514 tokens)."""
 
 
 class Held(OnlinePlanned):
@@ -139,16 +145,28 @@ class Hopping(Held):
         return out
 
 
-LEVERS = ("as built", "drain", "hop", "hop+hold")
+LEVERS = ("as built", "lane", "drain", "hop", "hop+hold")
 
 
-def levers(share: float, ratio: float) -> dict[str, tuple[type[OnlinePlanned], dict[str, object]]]:
-    """Each lever's layer class and the class attributes it is served with."""
+@dataclass(frozen=True)
+class Lever:
+    """How one lever is served."""
+
+    layer: type[OnlinePlanned] = OnlinePlanned
+    settings: dict[str, object] = field(default_factory=dict)
+    """Class attributes of the layer."""
+    tail_instances: int = 0
+    """Instances reserved as the tail lane (the plan leaves them out)."""
+
+
+def levers(share: float, ratio: float) -> dict[str, Lever]:
+    """Each of ``LEVERS`` with the bench's settings."""
     return {
-        "as built": (OnlinePlanned, {}),
-        "drain": (Draining, {"share": share}),
-        "hop": (Hopping, {"ratio": ratio}),
-        "hop+hold": (Hopping, {"ratio": ratio, "hold_destination": True}),
+        "as built": Lever(),
+        "lane": Lever(tail_instances=1),
+        "drain": Lever(Draining, {"share": share}),
+        "hop": Lever(Hopping, {"ratio": ratio}),
+        "hop+hold": Lever(Hopping, {"ratio": ratio, "hold_destination": True}),
     }
 
 
@@ -171,13 +189,26 @@ def run_cell(k: int, lag_bound: int, share: float, ratio: float) -> dict[str, tu
         )
     pred = Predictions.of(groups, limit=cap)
     variant = BEST_CANDIDATE.get((k, lag_bound), "homogeneous")
-    plan = build_variant(variant, groups, instances, **sim, predictions=pred)
-    for name, (cls, settings) in levers(share, ratio).items():
-        s = cls(variant, groups, instances, plan, **sim, predictions=pred)
-        for key, value in settings.items():
+    plans: dict[int, Plan] = {}
+    for name, lever in levers(share, ratio).items():
+        bulk = instances[: k - lever.tail_instances]
+        if len(bulk) not in plans:
+            plans[len(bulk)] = build_variant(variant, groups, bulk, **sim, predictions=pred)
+        s = lever.layer(
+            variant,
+            groups,
+            instances,
+            plans[len(bulk)],
+            **sim,
+            predictions=pred,
+            tail_instances=[i.instance_id for i in instances[len(bulk) :]],
+            tail_max_seqs=TAIL_MAX_SEQS,
+        )
+        for key, value in lever.settings.items():
             setattr(s, key, value)
         it = simulate(s, groups, actual, instances, **sim, prompt_tokens=ptok).iteration_s
-        out[name] = (it, getattr(s, "acted", 0))
+        acted = len(s.moved) if name == "lane" else getattr(s, "acted", 0)
+        out[name] = (it, acted)
     return out
 
 
