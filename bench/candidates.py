@@ -19,9 +19,9 @@ seqsched's four cells take about 2.5 minutes (4 with ``--oracle`` or ``--probe``
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -29,9 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich import box
 from rich.console import Console
 from rich.table import Table
-from scheduling import MAX_TOKENS, TRACES, C, setup
+from scheduling import MAX_TOKENS, TRACES, cluster, setup
 
-from runtime.scheduler import CostModel, InstanceSpec, make_scheduler
+from runtime.scheduler import InstanceSpec, make_scheduler
 from runtime.scheduler.asp import VARIANTS, build_variant
 from runtime.scheduler.base import GroupSpec, Predictions
 from runtime.scheduler.online import OnlinePlanned
@@ -48,6 +48,23 @@ PRIORS = {
 """What the candidates may be planned on, and how the table's title names it."""
 
 
+def baseline_times(
+    groups: Sequence[GroupSpec],
+    actual: Mapping[int, Sequence[int]],
+    prompt_tokens: Mapping[int, int] | None,
+    instances: Sequence[InstanceSpec],
+    sim: dict,
+    max_tokens: int,
+) -> dict[str, float]:
+    """Iteration s of each of ``BASELINES`` on ``groups``' predictions."""
+    out: dict[str, float] = {}
+    for policy in BASELINES:
+        s = make_scheduler(policy, groups, instances, **sim, max_tokens=max_tokens)
+        r = simulate(s, groups, actual, instances, **sim, prompt_tokens=prompt_tokens)
+        out[policy] = r.iteration_s
+    return out
+
+
 def run_cell(trace: str, k: int, lag_bound: int, split: int, prior: str) -> dict[str, float]:
     """Iteration s of fifo and sorted (on the one-sample prior) and of every candidate planned
     on ``prior`` (one of ``PRIORS``), all on the same actual lengths."""
@@ -61,15 +78,9 @@ def run_cell(trace: str, k: int, lag_bound: int, split: int, prior: str) -> dict
         ]
     else:
         planned = honest
-    instances = [InstanceSpec(i, C) for i in range(k)]
-    b = math.ceil(k * C / n)
-    cost = CostModel.sized_for(k, max_num_seqs=C)
+    instances, sim = cluster(k, n, lag_bound)
     cap = MAX_TOKENS[trace]
-    sim = dict(batch_groups=b, lag_bound=lag_bound, cost_model=cost)
-    out: dict[str, float] = {}
-    for policy in BASELINES:
-        s = make_scheduler(policy, honest, instances, **sim, max_tokens=cap)
-        out[policy] = simulate(s, honest, actual, instances, **sim, prompt_tokens=ptok).iteration_s
+    out = baseline_times(honest, actual, ptok, instances, sim, cap)
     pred = Predictions.of(planned, limit=cap)
     for v in VARIANTS:
         plan = build_variant(v, planned, instances, **sim, predictions=pred)

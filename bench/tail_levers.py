@@ -26,7 +26,6 @@ The four seqsched cells take about 4 minutes.
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 from collections import Counter
@@ -36,12 +35,12 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from candidates import baseline_times
 from rich import box
 from rich.console import Console
 from rich.table import Table
-from scheduling import MAX_TOKENS, C, setup
+from scheduling import MAX_TOKENS, cluster, setup
 
-from runtime.scheduler import CostModel, InstanceSpec, make_scheduler
 from runtime.scheduler.asp import build_variant
 from runtime.scheduler.base import Defer, Move, Plan, Predictions, RolloutView
 from runtime.scheduler.online import TAIL_PRIORITY, OnlinePlanned
@@ -145,9 +144,6 @@ class Hopping(Held):
         return out
 
 
-LEVERS = ("as built", "lane", "drain", "hop", "hop+hold")
-
-
 @dataclass(frozen=True)
 class Lever:
     """How one lever is served."""
@@ -160,7 +156,7 @@ class Lever:
 
 
 def levers(share: float, ratio: float) -> dict[str, Lever]:
-    """Each of ``LEVERS`` with the bench's settings."""
+    """Each lever by name, with the bench's settings."""
     return {
         "as built": Lever(),
         "lane": Lever(tail_instances=1),
@@ -173,20 +169,9 @@ def levers(share: float, ratio: float) -> dict[str, Lever]:
 def run_cell(k: int, lag_bound: int, share: float, ratio: float) -> dict[str, tuple[float, int]]:
     """Iteration s (and how often the lever acted) of fifo, sorted and each lever."""
     groups, actual, ptok, n = setup(TRACE, 0.0, 0)
-    instances = [InstanceSpec(i, C) for i in range(k)]
+    instances, sim = cluster(k, n, lag_bound)
     cap = MAX_TOKENS[TRACE]
-    sim = dict(
-        batch_groups=math.ceil(k * C / n),
-        lag_bound=lag_bound,
-        cost_model=CostModel.sized_for(k, max_num_seqs=C),
-    )
-    out: dict[str, tuple[float, int]] = {}
-    for policy in ("fifo", "sorted"):
-        s = make_scheduler(policy, groups, instances, **sim, max_tokens=cap)
-        out[policy] = (
-            simulate(s, groups, actual, instances, **sim, prompt_tokens=ptok).iteration_s,
-            0,
-        )
+    out = {p: (s, 0) for p, s in baseline_times(groups, actual, ptok, instances, sim, cap).items()}
     pred = Predictions.of(groups, limit=cap)
     variant = BEST_CANDIDATE.get((k, lag_bound), "homogeneous")
     plans: dict[int, Plan] = {}
@@ -207,8 +192,7 @@ def run_cell(k: int, lag_bound: int, share: float, ratio: float) -> dict[str, tu
         for key, value in lever.settings.items():
             setattr(s, key, value)
         it = simulate(s, groups, actual, instances, **sim, prompt_tokens=ptok).iteration_s
-        acted = len(s.moved) if name == "lane" else getattr(s, "acted", 0)
-        out[name] = (it, acted)
+        out[name] = (it, getattr(s, "acted", len(s.moved)))
     return out
 
 
@@ -233,7 +217,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{args.share:g}, ratio {args.ratio:g}): iteration s / best(fifo, sorted), times acted",
         box=box.SIMPLE,
     )
-    for col in ("K", "η", "candidate", "fifo s", "sorted s", *LEVERS):
+    names = tuple(levers(args.share, args.ratio))
+    for col in ("K", "η", "candidate", "fifo s", "sorted s", *names):
         t.add_column(col, justify="right")
     t0 = time.perf_counter()
     for k in args.k:
@@ -249,7 +234,7 @@ def main(argv: list[str] | None = None) -> int:
                 f"{r['sorted'][0]:.2f}",
                 *(
                     f"{r[name][0] / base:.3f}" + (f" ({r[name][1]})" if name != "as built" else "")
-                    for name in LEVERS
+                    for name in names
                 ),
             )
     con.print(t)

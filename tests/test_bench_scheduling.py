@@ -6,12 +6,10 @@ The benchmark's numbers are not asserted, only where they come from.
 
 from __future__ import annotations
 
-import math
-
 import pytest
 from bench_scripts import load_bench
 
-from runtime.scheduler import CostModel, InstanceSpec, make_scheduler
+from runtime.scheduler import make_scheduler
 from runtime.sim.engine import simulate
 
 sched = load_bench("scheduling")
@@ -26,16 +24,10 @@ def test_the_latency_goal_is_unreachable_only_past_the_throughput_bound() -> Non
 @pytest.mark.skipif(not sched.DATA.is_dir(), reason="shared traces not present")
 def test_bounds_are_what_the_simulator_reports() -> None:
     groups, actual, ptok, n = sched.setup("seqsched", 0.0, 0)
-    k = 16
-    instances = [InstanceSpec(i, sched.C) for i in range(k)]
-    sim = dict(
-        batch_groups=math.ceil(k * sched.C / n),
-        lag_bound=1,
-        cost_model=CostModel.sized_for(k, max_num_seqs=sched.C),
-    )
+    instances, sim = sched.cluster(16, n, 1)
     fifo = make_scheduler("fifo", groups, instances, **sim)
     result = simulate(fifo, groups, actual, instances, **sim, prompt_tokens=ptok)
-    throughput, latency = sched.bounds("seqsched", k, 1, 0)
+    throughput, latency = sched.bounds("seqsched", 16, 1, 0)
     assert throughput == pytest.approx(result.lower_bound_s)
     assert latency == pytest.approx(result.latency_lower_bound_s)
     assert result.iteration_s >= max(throughput, latency)
