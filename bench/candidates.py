@@ -21,7 +21,6 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -29,16 +28,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from rich import box
 from rich.console import Console
 from rich.table import Table
-from scheduling import MAX_TOKENS, TRACES, cluster, setup
+from scheduling import BASELINES, MAX_TOKENS, TRACES, baseline_times, cluster, setup
 
-from runtime.scheduler import InstanceSpec, make_scheduler
 from runtime.scheduler.asp import VARIANTS, build_variant
 from runtime.scheduler.base import GroupSpec, Predictions
 from runtime.scheduler.online import OnlinePlanned
 from runtime.sim.engine import simulate
-
-BASELINES = ("fifo", "sorted")
-
 
 PRIORS = {
     "sample": "one sample",
@@ -46,23 +41,6 @@ PRIORS = {
     "oracle": "exact lengths",
 }
 """What the candidates may be planned on, and how the table's title names it."""
-
-
-def baseline_times(
-    groups: Sequence[GroupSpec],
-    actual: Mapping[int, Sequence[int]],
-    prompt_tokens: Mapping[int, int] | None,
-    instances: Sequence[InstanceSpec],
-    sim: dict,
-    max_tokens: int,
-) -> dict[str, float]:
-    """Iteration s of each of ``BASELINES`` on ``groups``' predictions."""
-    out: dict[str, float] = {}
-    for policy in BASELINES:
-        s = make_scheduler(policy, groups, instances, **sim, max_tokens=max_tokens)
-        r = simulate(s, groups, actual, instances, **sim, prompt_tokens=prompt_tokens)
-        out[policy] = r.iteration_s
-    return out
 
 
 def run_cell(trace: str, k: int, lag_bound: int, split: int, prior: str) -> dict[str, float]:

@@ -34,6 +34,7 @@ import argparse
 import math
 import sys
 import time
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -45,7 +46,7 @@ from runtime.protocol import BUBBLE_CATEGORIES
 from runtime.scheduler import CostModel, GroupSpec, InstanceSpec, make_scheduler
 from runtime.scheduler.lengths import read_lengths
 from runtime.sim.compare import compare
-from runtime.sim.engine import SimResult, latency_lower_bound, lower_bound
+from runtime.sim.engine import SimResult, latency_lower_bound, lower_bound, simulate
 
 DATA = Path(__file__).resolve().parents[1] / ".." / "shared" / "data" / "lengths"
 TRACES = {
@@ -56,6 +57,8 @@ MAX_TOKENS = {"castillo": 15_001, "seqsched": 514}
 """Each trace's generation cap (shared/data/lengths/SOURCES.md), which the plans know as a live
 run's know ``rollout.sampling.max_tokens``."""
 POLICIES = ("fifo", "sorted", "asp")
+BASELINES = ("fifo", "sorted")
+"""The policies asp is measured against."""
 C = 128
 
 
@@ -95,6 +98,23 @@ def cluster(k: int, n: int, lag_bound: int) -> tuple[list[InstanceSpec], dict]:
         cost_model=CostModel.sized_for(k, max_num_seqs=C),
     )
     return [InstanceSpec(i, C) for i in range(k)], sim
+
+
+def baseline_times(
+    groups: Sequence[GroupSpec],
+    actual: Mapping[int, Sequence[int]],
+    prompt_tokens: Mapping[int, int] | None,
+    instances: Sequence[InstanceSpec],
+    sim: dict,
+    max_tokens: int,
+) -> dict[str, float]:
+    """Iteration s of each of ``BASELINES`` on ``groups``' predictions."""
+    out: dict[str, float] = {}
+    for policy in BASELINES:
+        s = make_scheduler(policy, groups, instances, **sim, max_tokens=max_tokens)
+        r = simulate(s, groups, actual, instances, **sim, prompt_tokens=prompt_tokens)
+        out[policy] = r.iteration_s
+    return out
 
 
 def run_one(trace: str, k: int, noise: float | None, lag_bound: int, dispatch: str, split: int = 0):

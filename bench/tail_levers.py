@@ -35,11 +35,10 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from candidates import baseline_times
 from rich import box
 from rich.console import Console
 from rich.table import Table
-from scheduling import MAX_TOKENS, cluster, setup
+from scheduling import MAX_TOKENS, baseline_times, cluster, setup
 
 from runtime.scheduler.asp import build_variant
 from runtime.scheduler.base import Defer, Move, Plan, Predictions, RolloutView
